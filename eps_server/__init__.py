@@ -1,0 +1,1 @@
+"""The Eager Param-Server: holds the model in shared memory, reduces and updates eagerly."""

@@ -1,0 +1,134 @@
+"""Atomic checkpoints of the EPS: manifest, fp32 master, optimizer state, step.
+
+A checkpoint is a directory:
+  manifest.json          the model manifest (the EPS can start from it alone)
+  state.json             format, step, manifest hash, optimizer config
+  master.safetensors     "<layer>/<tensor>" -> fp32 tensor with its real shape
+  optimizer.safetensors  "<layer>/<group index>.<state key>" -> optimizer state
+
+It is written to ``<path>.tmp-<pid>`` and renamed into place; a previous checkpoint at ``path``
+is moved aside first and removed after the rename, and ``load`` falls back to it if a crash
+happened in between.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from protocol.safetensors_io import write_safetensors
+from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout, views
+
+FORMAT = 1
+
+
+def manifest_to_json(m: Manifest) -> dict:
+    return {"layers": [{"name": la.name, "kind": la.kind,
+                        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                                     "group": t.group} for t in la.tensors]}
+                       for la in m.layers],
+            "meta": dict(m.meta)}
+
+
+def manifest_from_json(d: dict) -> Manifest:
+    return Manifest(
+        layers=tuple(LayerSpec(name=la["name"], kind=la["kind"], tensors=tuple(
+            TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
+                       group=t["group"]) for t in la["tensors"])) for la in d["layers"]),
+        meta=d.get("meta", {}))
+
+
+def save(path: str, store, optimizers, extra: dict) -> None:
+    """Write the store's master and the optimizers' state at a step boundary (math thread)."""
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp, mode=0o700)
+    try:
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest_to_json(store.manifest), f)
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"format": FORMAT, "step": store.step, "versions": store.versions,
+                       "manifest_hash": store.manifest_hash, **extra}, f)
+        master, opt_state = [], []
+        for plan in store.layout.layers:
+            for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
+                master.append((f"{plan.name}/{slot.name}", view))
+            for key, t in optimizers[plan.index].state_tensors().items():
+                opt_state.append((f"{plan.name}/{key}", t))
+        write_safetensors(os.path.join(tmp, "master.safetensors"), master)
+        write_safetensors(os.path.join(tmp, "optimizer.safetensors"), opt_state)
+        old = f"{path}.old-{os.getpid()}"
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(os.path.dirname(path))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Loaded:
+    path: str
+    manifest: Manifest
+    state: dict
+
+
+def resolve(path: str) -> str:
+    """The checkpoint directory to read: ``path`` or, after a crash mid-rename, its .old twin."""
+    if os.path.isfile(os.path.join(path, "state.json")):
+        return path
+    olds = sorted(glob.glob(f"{glob.escape(path)}.old-*"))
+    for old in olds:
+        if os.path.isfile(os.path.join(old, "state.json")):
+            return old
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def read_meta(path: str) -> Loaded:
+    path = resolve(path)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = manifest_from_json(json.load(f))
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path}: unsupported checkpoint format {state.get('format')}")
+    if state["manifest_hash"] != manifest.hash():
+        raise ValueError(f"{path}: manifest does not match its recorded hash")
+    return Loaded(path, manifest, state)
+
+
+def load_into(loaded: Loaded, store, optimizers) -> None:
+    """Fill the store's master and the optimizers' state from a checkpoint."""
+    layout = plan_layout(loaded.manifest)
+    with safe_open(os.path.join(loaded.path, "master.safetensors"), framework="pt") as f:
+        for plan in layout.layers:
+            for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
+                t = f.get_tensor(f"{plan.name}/{slot.name}")
+                if tuple(t.shape) != slot.shape:
+                    raise ValueError(f"checkpoint tensor {plan.name}/{slot.name} has shape "
+                                     f"{tuple(t.shape)}, expected {slot.shape}")
+                view.copy_(t)
+    with safe_open(os.path.join(loaded.path, "optimizer.safetensors"), framework="pt") as f:
+        by_layer: dict[str, dict[str, torch.Tensor]] = {}
+        for key in f.keys():
+            layer, _, name = key.partition("/")
+            by_layer.setdefault(layer, {})[name] = f.get_tensor(key)
+    for plan in layout.layers:
+        optimizers[plan.index].load_state_tensors(by_layer.get(plan.name, {}))

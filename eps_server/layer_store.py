@@ -1,0 +1,121 @@
+"""The model's weights in shared memory: fp32 master, compute copy, versions, gradient slots.
+
+Regions (all created by the EPS, mode 0600, unlinked by the EPS alone):
+  l2l-<run>-master        fp32 master of every layer, in the flat layout of protocol.tensors
+  l2l-<run>-compute       compute-precision copy (bf16/fp16 only; with fp32 the master is served)
+  l2l-<run>-grads-r<k>    rank k's gradient slots, ``grad_slots`` x the largest layer
+
+Versions: ``versions[l]`` is the number of optimizer steps applied to layer l (-1 before its
+initial values arrive). Step t of training reads version t of every layer. Layer l is only ever
+rewritten after every worker pushed its step-t gradient of l, i.e. after every worker is done
+reading version t, so one copy per layer is enough for synchronous data parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from protocol.messages import RegionInfo
+from protocol.shm import Region
+from protocol.tensors import DTYPES, LayerPlan, Manifest, plan_layout
+
+log = logging.getLogger(__name__)
+
+
+class LayerStore:
+    def __init__(self, manifest: Manifest, run_id: str, compute_dtype: str):
+        self.manifest = manifest
+        self.manifest_hash = manifest.hash()
+        self.layout = plan_layout(manifest)
+        self.run_id = run_id
+        self.compute_dtype = compute_dtype
+        self.versions = [-1] * len(self.layout.layers)
+        self._regions: list[Region] = []
+        self._grad_regions: dict[int, Region] = {}
+        self.master_region = self._create("master", self.layout.nbytes("float32"))
+        self.compute_region = (
+            None if compute_dtype == "float32"
+            else self._create("compute", self.layout.nbytes(compute_dtype)))
+        self._master = self.master_region.tensor(torch.float32)
+        self._compute = (self._master if self.compute_region is None
+                         else self.compute_region.tensor(DTYPES[compute_dtype]))
+
+    def _create(self, suffix: str, nbytes: int) -> Region:
+        region = Region.create(f"l2l-{self.run_id}-{suffix}", nbytes)
+        self._regions.append(region)
+        return region
+
+    # -- layers ---------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layout.layers)
+
+    def plan(self, layer: int) -> LayerPlan:
+        return self.layout.layers[layer]
+
+    def master(self, layer: int) -> torch.Tensor:
+        p = self.layout.layers[layer]
+        return self._master[p.offset:p.offset + p.numel]
+
+    def compute(self, layer: int) -> torch.Tensor:
+        p = self.layout.layers[layer]
+        return self._compute[p.offset:p.offset + p.numel]
+
+    def publish(self, layer: int) -> None:
+        """Refresh the compute copy of ``layer`` from its master (no-op for fp32)."""
+        if self.compute_region is not None:
+            self.compute(layer).copy_(self.master(layer))
+
+    @property
+    def initialised(self) -> bool:
+        return min(self.versions) >= 0
+
+    @property
+    def step(self) -> int:
+        """Last step completed by every layer (= the version all layers have reached)."""
+        return min(self.versions)
+
+    # -- regions --------------------------------------------------------------------------
+
+    def master_info(self) -> RegionInfo:
+        return RegionInfo(name=self.master_region.name, nbytes=self.master_region.nbytes,
+                          dtype="float32")
+
+    def compute_info(self) -> RegionInfo | None:
+        if self.compute_region is None:
+            return None
+        return RegionInfo(name=self.compute_region.name, nbytes=self.compute_region.nbytes,
+                          dtype=self.compute_dtype)
+
+    def grad_region(self, rank: int, dtype: str, slots: int) -> Region:
+        """Rank's gradient slots; created on first use and kept for a rank that says Hello
+        again (a restarted worker) as long as the dtype agrees."""
+        nbytes = slots * self.layout.max_layer_numel * DTYPES[dtype].itemsize
+        region = self._grad_regions.get(rank)
+        if region is not None and region.nbytes != nbytes:
+            self._grad_regions.pop(rank)
+            self._regions.remove(region)
+            region.unlink()
+            region.close()
+            region = None
+        if region is None:
+            suffix = f"grads-r{rank}-{dtype}"
+            region = self._create(suffix, nbytes)
+            self._grad_regions[rank] = region
+        return region
+
+    def grad_slot(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor:
+        region = self._grad_regions[rank]
+        return region.tensor(DTYPES[dtype], slot * self.layout.max_layer_numel, numel)
+
+    def close(self) -> None:
+        """Unlink and unmap every region (idempotent)."""
+        for region in self._regions:
+            region.unlink()
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        self._grad_regions.clear()

@@ -1,0 +1,535 @@
+"""The EPS process shell: asyncio (uvloop) + ZeroMQ ROUTER. Decode, dispatch, reply; no math.
+
+Every request is handled in its own task, so a Fetch that waits for a version never blocks
+other peers. Arithmetic (reduction, optimizer steps, checkpoints) runs on a thread pool; the
+per-layer lock keeps one layer's reduce/update calls in order while other layers proceed.
+A bad message gets an Error reply and changes nothing; a bug in a handler gets an "internal"
+Error reply and is logged; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import time
+import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import zmq
+import zmq.asyncio
+
+from protocol import codec
+from protocol.endpoints import check_bind, remove_ipc
+from protocol.messages import (
+    PROTOCOL_VERSION, Ack, Bye, Error, Fetch, GradAck, Hello, InitLayer, LayerReady, Message,
+    PushGrad, RegionInfo, Save, Status, StatusReply, Welcome)
+from protocol.tensors import DTYPES, Manifest
+
+from . import checkpoint
+from .config import ServerConfig
+from .layer_store import LayerStore
+from .optimizers import LayerOptimizer
+from .reducer import Reducer, ReduceError, all_finite
+
+log = logging.getLogger("eps_server")
+
+
+class RequestError(Exception):
+    """Turns into an Error reply; the request had no effect."""
+
+    def __init__(self, code: str, message: str, field: str = ""):
+        super().__init__(message)
+        self.code, self.field = code, field
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    rank: int
+    transport: str
+    grad_dtype: str
+    pid: int
+
+
+class EpsServer:
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.run_id = cfg.run_id or secrets.token_hex(4)
+        self.store: LayerStore | None = None
+        self.reducer: Reducer | None = None
+        self.optimizers: list[LayerOptimizer] = []
+        self.locks: list[asyncio.Lock] = []
+        self.peers: dict[bytes, Peer] = {}
+        self.initialiser_rank: int | None = None
+        self.done_ranks: set[int] = set()
+        self.stats: Counter = Counter()
+        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="eps-math")
+        self._waiters: dict[int, list[tuple[int, asyncio.Future]]] = {}
+        self._versions_changed: asyncio.Condition | None = None
+        self._hold_from: int | None = None  # updates from this version on wait (checkpointing)
+        self._released: asyncio.Event | None = None
+        self._broken: str | None = None
+        self._stop: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_step_time = time.perf_counter()
+        self.handlers = {Hello: self.on_hello, InitLayer: self.on_init, Fetch: self.on_fetch,
+                         PushGrad: self.on_push, Save: self.on_save, Status: self.on_status,
+                         Bye: self.on_bye}
+        torch.set_num_threads(cfg.threads)
+
+    # ------------------------------------------------------------------------- model
+
+    def _create_model(self, manifest: Manifest) -> None:
+        self.store = LayerStore(manifest, self.run_id, self.cfg.compute_dtype)
+        self.reducer = Reducer(self.store.layout, self.cfg.world_size)
+        self.optimizers = [
+            LayerOptimizer(plan, self.store.master(plan.index), self.reducer.grads[plan.index],
+                           self.cfg.optimizer)
+            for plan in self.store.layout.layers]
+        self.locks = [asyncio.Lock() for _ in self.store.layout.layers]
+        log.info("model: %d layers, %.2fM parameters, manifest %s", self.store.num_layers,
+                 manifest.num_params / 1e6, self.store.manifest_hash[:19])
+
+    def load(self, path: str) -> None:
+        loaded = checkpoint.read_meta(path)
+        self._create_model(loaded.manifest)
+        checkpoint.load_into(loaded, self.store, self.optimizers)
+        step = int(loaded.state["step"])
+        for layer in range(self.store.num_layers):
+            self.store.publish(layer)
+            self.store.versions[layer] = step
+        log.info("resumed from %s at step %d", loaded.path, step)
+
+    # ------------------------------------------------------------------------- serving
+
+    async def serve(self, ready_line: bool = True) -> None:
+        self._stop = asyncio.Event()
+        self._versions_changed = asyncio.Condition()
+        self._released = asyncio.Event()
+        self._released.set()
+        if self.cfg.load:
+            await asyncio.get_running_loop().run_in_executor(self.pool, self.load, self.cfg.load)
+        check_bind(self.cfg.endpoint)
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        remove_ipc(self.cfg.endpoint)  # a stale socket file from a killed server
+        sock.bind(self.cfg.endpoint)
+        self.sock = sock
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        if ready_line:
+            print(f"EPS_READY endpoint={self.cfg.endpoint} run_id={self.run_id} pid={os.getpid()}",
+                  flush=True)
+        log.info("listening on %s (world size %d, %s)", self.cfg.endpoint, self.cfg.world_size,
+                 self.cfg.precision)
+        receiver = asyncio.create_task(self._receive())
+        try:
+            await self._stop.wait()
+        finally:
+            receiver.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(receiver, *self._tasks, return_exceptions=True)
+            await self._shutdown_save()
+            sock.close()
+            ctx.term()
+            remove_ipc(self.cfg.endpoint)
+            self.close()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def close(self) -> None:
+        """Release shared memory and threads (idempotent; also called on abnormal exit)."""
+        if self.store is not None:
+            self.store.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            task = asyncio.create_task(self._handle(frames[0].bytes, frames[1:]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, identity: bytes, frames: list) -> None:
+        self.stats["messages"] += 1
+        try:
+            msg, tensor_frames = codec.decode(frames)
+        except codec.DecodeError as e:
+            self.stats["bad_messages"] += 1
+            log.warning("bad message from %s: %s", identity.hex(), e)
+            await self._send(identity, Error(req_id=codec.peek_req_id(frames), code="bad_message",
+                                             message=str(e), field=e.field))
+            return
+        handler = self.handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise RequestError("bad_message", f"{type(msg).__name__} is not a request",
+                                   "kind")
+            if self._broken is not None and type(msg) not in (Status, Bye):
+                raise RequestError("internal", f"server stopped updating: {self._broken}")
+            reply, out_frames = await handler(identity, msg, tensor_frames)
+        except RequestError as e:
+            reply, out_frames = Error(req_id=msg.req_id, code=e.code, message=str(e),
+                                      field=e.field), ()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug: report it, keep serving
+            log.exception("internal error handling %s", type(msg).__name__)
+            reply, out_frames = Error(req_id=msg.req_id, code="internal",
+                                      message=f"{type(e).__name__}: {e}"), ()
+        await self._send(identity, reply, out_frames)
+
+    async def _send(self, identity: bytes, msg: Message, frames=()) -> None:
+        await self.sock.send_multipart([identity, *codec.encode(msg, frames)], copy=False)
+
+    async def _math(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _peer(self, identity: bytes) -> Peer:
+        peer = self.peers.get(identity)
+        if peer is None:
+            raise RequestError("not_registered", "say Hello first")
+        return peer
+
+    def _layer(self, layer: int) -> None:
+        if self.store is None:
+            raise RequestError("not_ready", "the server has no model yet")
+        if not 0 <= layer < self.store.num_layers:
+            raise RequestError("bad_request",
+                               f"layer {layer} out of range [0, {self.store.num_layers})", "layer")
+
+    def _set_version(self, layer: int, version: int) -> None:
+        before = self.store.step
+        self.store.versions[layer] = version
+        waiting = self._waiters.pop(layer, [])
+        still = []
+        for min_version, fut in waiting:
+            if fut.done():
+                continue
+            if min_version <= version:
+                fut.set_result(version)
+            else:
+                still.append((min_version, fut))
+        if still:
+            self._waiters[layer] = still
+        if self.store.step > before:
+            self._on_step_complete(self.store.step)
+        asyncio.get_running_loop().create_task(self._notify_versions())
+
+    async def _notify_versions(self) -> None:
+        async with self._versions_changed:
+            self._versions_changed.notify_all()
+
+    async def _wait_version(self, layer: int, min_version: int) -> int:
+        if self.store.versions[layer] >= min_version:
+            return self.store.versions[layer]
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(layer, []).append((min_version, fut))
+        return await fut
+
+    def _on_step_complete(self, step: int) -> None:
+        """Every layer has reached version ``step``: step-1 is done (0: initial values in)."""
+        now = time.perf_counter()
+        if step == 0:
+            log.info("model initialised")
+        else:
+            self.stats["steps_completed"] += 1
+            log.info("step %d complete (%.3f s)", step - 1, now - self._last_step_time)
+        self._last_step_time = now
+        every = self.cfg.checkpoint_every
+        if every and step > 0 and step % every == 0:
+            task = asyncio.get_running_loop().create_task(self._save_at_boundary(self.cfg.save))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------------- handlers
+
+    async def on_hello(self, identity: bytes, msg: Hello, frames):
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise RequestError("protocol_version",
+                               f"server speaks protocol version {PROTOCOL_VERSION}, "
+                               f"client sent {msg.protocol_version}", "protocol_version")
+        if msg.world_size != self.cfg.world_size:
+            raise RequestError("bad_request", f"server world size is {self.cfg.world_size}, "
+                               f"worker says {msg.world_size}", "world_size")
+        if msg.grad_dtype not in ("float32", self.cfg.compute_dtype):
+            raise RequestError("bad_request", f"grad_dtype must be float32 or "
+                               f"{self.cfg.compute_dtype}", "grad_dtype")
+        if self.store is None:
+            if msg.manifest is None:
+                raise RequestError("not_ready", "the server has no model yet: the first worker "
+                                   "must send its manifest", "manifest")
+            if msg.manifest.hash() != msg.manifest_hash:
+                raise RequestError("bad_request", "manifest_hash does not match the manifest",
+                                   "manifest_hash")
+            self._create_model(msg.manifest)
+            self.initialiser_rank = msg.rank
+        elif msg.manifest_hash != self.store.manifest_hash:
+            raise RequestError("manifest_mismatch", _mismatch(self.store.manifest, msg),
+                               "manifest_hash")
+        init_required = (not self.store.initialised) and msg.rank == self.initialiser_rank
+        for old_identity, old in list(self.peers.items()):
+            if old.rank == msg.rank and old_identity != identity:
+                log.warning("rank %d reconnected (pid %d replaces pid %d)", msg.rank, msg.pid,
+                            old.pid)
+                del self.peers[old_identity]
+        self.peers[identity] = Peer(identity, msg.rank, msg.transport, msg.grad_dtype, msg.pid)
+        self.done_ranks.discard(msg.rank)
+        grads = None
+        if msg.transport == "shm":
+            region = self.store.grad_region(msg.rank, msg.grad_dtype, self.cfg.grad_slots)
+            grads = RegionInfo(name=region.name, nbytes=region.nbytes, dtype=msg.grad_dtype)
+        log.info("hello from rank %d (pid %d, %s, %s)", msg.rank, msg.pid, msg.host,
+                 msg.transport)
+        return Welcome(
+            req_id=msg.req_id, protocol_version=PROTOCOL_VERSION, run_id=self.run_id,
+            step=max(self.store.step, 0), init_required=init_required,
+            compute_dtype=self.cfg.compute_dtype, master=self.store.master_info(),
+            compute=self.store.compute_info(),
+            grads=grads, grad_slots=self.cfg.grad_slots,
+            grad_slot_numel=self.store.layout.max_layer_numel, world_size=self.cfg.world_size,
+            optimizer=self.cfg.optimizer.as_dict()), ()
+
+    async def on_init(self, identity: bytes, msg: InitLayer, frames):
+        peer = self._peer(identity)
+        self._layer(msg.layer)
+        if peer.rank != self.initialiser_rank:
+            raise RequestError("bad_request", f"rank {peer.rank} is not the initialising "
+                               f"worker (rank {self.initialiser_rank})", "layer")
+        if self.store.versions[msg.layer] >= 0:
+            raise RequestError("bad_request", f"layer {msg.layer} is already initialised",
+                               "layer")
+        plan = self.store.plan(msg.layer)
+        data = _frame_tensor(frames[0], "float32", plan.numel)
+
+        def write() -> bool:
+            if not all_finite(data):
+                return False
+            self.store.master(msg.layer).copy_(data)
+            self.store.publish(msg.layer)
+            return True
+
+        async with self.locks[msg.layer]:
+            if not await self._math(write):
+                raise RequestError("bad_request", f"initial values of layer {msg.layer} are not "
+                                   "all finite", "frames")
+        self._set_version(msg.layer, 0)
+        return Ack(req_id=msg.req_id), ()
+
+    async def on_fetch(self, identity: bytes, msg: Fetch, frames):
+        peer = self._peer(identity)
+        self._layer(msg.layer)
+        current = self.store.versions[msg.layer]
+        if msg.min_version > current + 1:
+            raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
+                               f"version {msg.min_version} is more than one step ahead",
+                               "min_version")
+        version = await self._wait_version(msg.layer, msg.min_version)
+        self.stats["fetches"] += 1
+        plan = self.store.plan(msg.layer)
+        if msg.which == "master" or self.store.compute_region is None:
+            region, dtype = self.store.master_region, "float32"
+        else:
+            region, dtype = self.store.compute_region, self.store.compute_dtype
+        offset, nbytes = plan.byte_offset(dtype), plan.nbytes(dtype)
+        out = ()
+        if peer.transport == "frames":
+            # Zero-copy: the layer is not rewritten before this worker pushes its gradient.
+            out = (region.base[offset:offset + nbytes].numpy().data,)
+        return LayerReady(req_id=msg.req_id, layer=msg.layer, version=version,
+                          region="" if out else region.name, offset=offset, nbytes=nbytes,
+                          dtype=dtype), out
+
+    async def on_push(self, identity: bytes, msg: PushGrad, frames):
+        peer = self._peer(identity)
+        self._layer(msg.layer)
+        if msg.rank != peer.rank:
+            raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
+                               "rank")
+        version = self.store.versions[msg.layer]
+        if msg.step != version:
+            raise RequestError("bad_request", f"gradient for step {msg.step}, but layer "
+                               f"{msg.layer} is at version {version}", "step")
+        plan = self.store.plan(msg.layer)
+        if frames:
+            if msg.slot != -1:
+                raise RequestError("bad_request", "slot must be -1 with a tensor frame", "slot")
+            src = _frame_tensor(frames[0], msg.dtype, plan.numel)
+        else:
+            if peer.transport != "shm" or msg.dtype != peer.grad_dtype:
+                raise RequestError("bad_request", f"shm gradients must be {peer.grad_dtype} "
+                                   "in a slot", "dtype")
+            if not 0 <= msg.slot < self.cfg.grad_slots:
+                raise RequestError("bad_request", f"slot must be in [0, {self.cfg.grad_slots})",
+                                   "slot")
+            src = self.store.grad_slot(peer.rank, msg.slot, msg.dtype, plan.numel)
+        try:
+            self.reducer.claim(msg.layer, peer.rank)
+        except ReduceError as e:
+            raise RequestError("bad_request", str(e), e.field) from None
+
+        def reduce() -> bool:
+            if not all_finite(src):
+                return False
+            self.reducer.add(msg.layer, src)
+            return True
+
+        async with self.locks[msg.layer]:
+            t0 = time.perf_counter()
+            ok = await self._math(reduce)
+            self.stats["reduce_seconds"] += time.perf_counter() - t0
+            if not ok:
+                self.reducer.release(msg.layer, peer.rank)
+                raise RequestError("bad_request", f"non-finite gradient for layer {msg.layer} "
+                                   f"from rank {peer.rank} at step {msg.step}; not applied",
+                                   "frames" if frames else "slot")
+            complete = self.reducer.complete(msg.layer)
+        self.stats["pushes"] += 1
+        self.stats["bytes_reduced"] += plan.nbytes(msg.dtype)
+        if complete:
+            task = asyncio.get_running_loop().create_task(self._update(msg.layer, version))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer, slot=msg.slot), ()
+
+    async def _update(self, layer: int, version: int) -> None:
+        """Eager update: runs as soon as every worker's gradient of ``layer`` is in."""
+        while self._hold_from is not None and version >= self._hold_from:
+            await self._released.wait()
+        try:
+            async with self.locks[layer]:
+                t0 = time.perf_counter()
+                await self._math(self._apply, layer, version)
+                self.stats["update_seconds"] += time.perf_counter() - t0
+                self.stats["updates"] += 1
+                self.reducer.reset(layer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("update of layer %d failed", layer)
+            self._broken = f"update of layer {layer} failed: {type(e).__name__}: {e}"
+            for waiting in self._waiters.values():
+                for _, fut in waiting:
+                    if not fut.done():
+                        fut.set_exception(RequestError("internal", self._broken))
+            return
+        self._set_version(layer, version + 1)
+
+    def _apply(self, layer: int, version: int) -> None:
+        self.optimizers[layer].step(self.cfg.optimizer.lr)
+        self.store.publish(layer)
+
+    async def on_save(self, identity: bytes, msg: Save, frames):
+        if self.store is None or not self.store.initialised:
+            raise RequestError("not_ready", "nothing to save: the model is not initialised")
+        await self._save_at_boundary(msg.path)
+        return Ack(req_id=msg.req_id), ()
+
+    async def _save_at_boundary(self, path: str) -> int:
+        """Checkpoint at a step boundary: hold updates that would start the next step, wait
+        until every layer has reached the same version, write, release."""
+        while self._hold_from is not None:  # one checkpoint at a time
+            await self._released.wait()
+        target = max(self.store.versions)
+        self._hold_from = target
+        self._released.clear()
+        try:
+            async with self._versions_changed:
+                await self._versions_changed.wait_for(lambda: self.store.step == target)
+            extra = {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
+                     "precision": self.cfg.precision}
+            t0 = time.perf_counter()
+            await self._math(checkpoint.save, path, self.store, self.optimizers, extra)
+            log.info("checkpoint of step %d written to %s (%.2f s)", target, path,
+                     time.perf_counter() - t0)
+            return target
+        finally:
+            self._hold_from = None
+            self._released.set()
+
+    async def _shutdown_save(self) -> None:
+        if not self.cfg.save or self.store is None or not self.store.initialised:
+            return
+        if min(self.store.versions) != max(self.store.versions):
+            log.warning("exiting mid-step (layer versions %d..%d): not saving a mixed state; "
+                        "the last checkpoint stands", min(self.store.versions),
+                        max(self.store.versions))
+            return
+        self._hold_from, self._released = None, asyncio.Event()
+        self._released.set()
+        await self._math(checkpoint.save, self.cfg.save, self.store, self.optimizers,
+                         {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
+                          "precision": self.cfg.precision})
+        log.info("final checkpoint of step %d written to %s", self.store.step, self.cfg.save)
+
+    async def on_status(self, identity: bytes, msg: Status, frames):
+        versions = tuple(self.store.versions) if self.store else ()
+        stats = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}
+        if self._broken:
+            stats["broken"] = self._broken
+        return StatusReply(req_id=msg.req_id, run_id=self.run_id,
+                           step=max(self.store.step, 0) if self.store else 0, versions=versions,
+                           world_size=self.cfg.world_size,
+                           ranks=tuple(sorted(p.rank for p in self.peers.values())),
+                           stats=stats), ()
+
+    async def on_bye(self, identity: bytes, msg: Bye, frames):
+        peer = self.peers.pop(identity, None)
+        if peer is not None and msg.done:
+            self.done_ranks.add(peer.rank)
+        if self.cfg.exit_when_done and len(self.done_ranks) >= self.cfg.world_size:
+            log.info("all %d workers are done; exiting", self.cfg.world_size)
+            asyncio.get_running_loop().call_later(0.05, self._stop.set)
+        return Ack(req_id=msg.req_id), ()
+
+
+def _frame_tensor(frame: memoryview, dtype: str, numel: int) -> torch.Tensor:
+    want = numel * DTYPES[dtype].itemsize
+    if frame.nbytes != want:
+        raise RequestError("bad_request", f"tensor frame has {frame.nbytes} bytes, expected "
+                           f"{want}", "frames")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only frame; never written
+        return torch.frombuffer(frame, dtype=DTYPES[dtype], count=numel)
+
+
+def _mismatch(server: Manifest, msg: Hello) -> str:
+    """A clear description of how a worker's model differs from the server's."""
+    head = (f"model mismatch: the server holds {server.hash()[:19]}.. "
+            f"({len(server.layers)} layers, {server.num_params} params), "
+            f"worker rank {msg.rank} has {msg.manifest_hash[:19]}..")
+    theirs = msg.manifest
+    if theirs is None:
+        return head
+    if len(theirs.layers) != len(server.layers):
+        return f"{head}: {len(theirs.layers)} layers vs {len(server.layers)}"
+    if theirs.meta != server.meta:
+        diff = sorted(k for k in set(theirs.meta) | set(server.meta)
+                      if theirs.meta.get(k) != server.meta.get(k))
+        return f"{head}: model settings differ: " + ", ".join(
+            f"{k}={theirs.meta.get(k)!r} (server {server.meta.get(k)!r})" for k in diff[:5])
+    for a, b in zip(theirs.layers, server.layers):
+        if a != b:
+            for ta, tb in zip(a.tensors, b.tensors):
+                if ta != tb:
+                    return (f"{head}: layer {a.name!r} tensor {ta.name!r} {ta.shape} vs "
+                            f"server {tb.name!r} {tb.shape}")
+            return f"{head}: layer {a.name!r} differs"
+    return head
+

@@ -1,0 +1,1 @@
+"""l2l-launch: the whole job on one box with one command."""

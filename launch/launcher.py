@@ -1,0 +1,197 @@
+"""l2l-launch: one eps-server and N l2l-workers on this box, as separate processes.
+
+Like torchrun, a convenience over the two real CLIs: it picks a private ipc endpoint and a run
+id, starts the server, waits for it to be ready, starts the workers (worker r on cuda:r when
+--device cuda), shows one progress line per step, and writes a run summary. On Ctrl-C, SIGTERM
+or any child's failure it stops every child (SIGTERM, then SIGKILL), and removes the run's
+shared memory and socket, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from protocol.lifecycle import ENV as PARENT_ENV
+from protocol.shm import unlink_prefix
+
+READY_TIMEOUT = 120.0
+STOP_GRACE = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, server_argv: list[str], worker_argvs: list[list[str]], run_id: str,
+                 run_dir: str, steps: int, quiet: bool = False):
+        self.server_argv = server_argv
+        self.worker_argvs = worker_argvs
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.steps = steps
+        self.quiet = quiet
+        self.children: list[Child] = []
+        self.events: dict[int, dict[int, dict]] = {}  # step -> rank -> event
+        self.progress: list[dict] = []
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.failure: str | None = None
+
+    # ------------------------------------------------------------------------- children
+
+    def _spawn(self, name: str, argv: list[str], parse_events: bool) -> Child:
+        env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1,
+                                start_new_session=True)  # Ctrl-C reaches only the launcher
+        child = Child(name, proc)
+        for stream, is_out in ((proc.stdout, True), (proc.stderr, False)):
+            t = threading.Thread(target=self._pump, args=(name, stream, is_out and parse_events,
+                                                          is_out), daemon=True)
+            t.start()
+            child.threads.append(t)
+        self.children.append(child)
+        return child
+
+    def _pump(self, name: str, stream, parse_events: bool, is_out: bool) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            if is_out and line.startswith("EPS_READY"):
+                self._ready.set()
+                continue
+            if parse_events and line.startswith("L2L_EVENT "):
+                try:
+                    self._on_event(json.loads(line[len("L2L_EVENT "):]))
+                except (ValueError, KeyError):
+                    pass
+                continue
+            if not self.quiet:
+                print(f"[{name}] {line}", file=sys.stderr if not is_out else sys.stdout,
+                      flush=True)
+
+    def _on_event(self, ev: dict) -> None:
+        if ev.get("event") != "step":
+            return
+        with self._lock:
+            by_rank = self.events.setdefault(ev["step"], {})
+            by_rank[ev["rank"]] = ev
+            if len(by_rank) != len(self.worker_argvs):
+                return
+            rows = list(by_rank.values())
+            loss = sum(r["loss"] for r in rows)
+            acc = sum(r["correct"] for r in rows) / max(1, sum(r["count"] for r in rows))
+            secs = max(r["seconds"] for r in rows)
+            samples = sum(r["samples"] for r in rows)
+            self.progress.append({"step": ev["step"], "loss": loss, "accuracy": acc,
+                                  "seconds": secs, "samples": samples})
+        print(f"step {ev['step'] + 1:>5}/{self.steps}  loss {loss:.4f}  acc {acc:.3f}  "
+              f"{samples / secs if secs > 0 else 0:,.0f} samples/s", flush=True)
+
+    # ------------------------------------------------------------------------- run
+
+    def run(self) -> int:
+        """Run the job; returns the exit status (0 when every worker finished)."""
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in old:
+            signal.signal(s, self._on_signal)
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            self.failure = self.failure or "interrupted"
+            return 130
+        finally:
+            self.stop_all()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.failure = f"stopped by signal {signal.Signals(signum).name}"
+        raise KeyboardInterrupt
+
+    def _run(self) -> int:
+        server = self._spawn("eps", self.server_argv, parse_events=False)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not self._ready.wait(0.1):
+            if server.proc.poll() is not None:
+                self.failure = f"eps-server exited with status {server.proc.returncode} " \
+                               "before it was ready"
+                return 1
+            if time.monotonic() > deadline:
+                self.failure = f"eps-server not ready within {READY_TIMEOUT:.0f} s"
+                return 1
+        workers = [self._spawn(f"w{r}", argv, parse_events=True)
+                   for r, argv in enumerate(self.worker_argvs)]
+        while True:
+            codes = [w.proc.poll() for w in workers]
+            failed = [(w.name, c) for w, c in zip(workers, codes) if c not in (None, 0)]
+            if failed:
+                self.failure = ", ".join(f"{n} exited with status {c}" for n, c in failed)
+                return 1
+            if all(c == 0 for c in codes):
+                break
+            if server.proc.poll() is not None:
+                self.failure = f"eps-server exited with status {server.proc.returncode} " \
+                               "while workers were running"
+                return 1
+            time.sleep(0.05)
+        try:  # workers said Bye(done); the server saves (if asked) and exits by itself
+            server.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.failure = "eps-server did not exit after the workers finished"
+            return 1
+        if server.proc.returncode != 0:
+            self.failure = f"eps-server exited with status {server.proc.returncode}"
+            return 1
+        return 0
+
+    def stop_all(self) -> None:
+        """Stop every child still running (SIGTERM, then SIGKILL), then remove what the run
+        left in shared memory (named after the run id)."""
+        alive = [c for c in self.children if c.proc.poll() is None]
+        workers_first = sorted(alive, key=lambda c: c.name == "eps")
+        for c in workers_first:
+            _signal(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for c in workers_first:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(c.proc, signal.SIGKILL)
+                c.proc.wait()
+        for c in self.children:
+            for t in c.threads:
+                t.join(timeout=2.0)
+        leaked = unlink_prefix(f"l2l-{self.run_id}-")
+        if leaked:
+            print(f"l2l-launch: removed shared memory left by the run: {', '.join(leaked)}",
+                  file=sys.stderr)
+
+    def cleanup(self) -> None:
+        """Remove the run's private directory (socket, per-worker summaries)."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the child's whole session (it may have children)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def private_run_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="l2l-run-", dir=base)  # mode 0700

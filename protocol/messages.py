@@ -1,0 +1,259 @@
+"""Every message of the l2l wire protocol, as typed frozen dataclasses (see SPEC.md).
+
+A message travels as ``[kind byte][msgpack body][tensor frames...]``. The kind byte picks the
+class from ``REGISTRY``; the body is a map of the class's fields. ``codec.decode`` checks every
+field's type against the annotations below and then runs the class's own range checks
+(``__post_init__``), so a handler only ever sees well-formed messages.
+
+Requests carry a ``req_id`` chosen by the client; the reply to a request carries the same id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .tensors import DTYPES, Manifest
+
+PROTOCOL_VERSION = 1
+
+TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
+WHICH = ("compute", "master")  # which copy of a layer a Fetch wants
+ERROR_CODES = (
+    "bad_message",  # malformed frames, wrong types, out-of-range fields
+    "protocol_version",  # Hello with another protocol version
+    "manifest_mismatch",  # Hello whose manifest hash differs from the server's model
+    "not_registered",  # request from a peer that has not said Hello
+    "bad_request",  # well-formed but not valid now (wrong step, unknown layer, duplicate push...)
+    "not_ready",  # the model has not been initialised yet
+    "internal",  # a bug in the server; the request had no effect
+)
+MAX_RANKS = 4096
+MAX_STR = 4096
+
+REGISTRY: dict[int, type[Message]] = {}
+
+
+def message(kind: int, frames: tuple[int, int] = (0, 0)):
+    """Register a message class under its one-byte kind; ``frames`` = (min, max) tensor frames."""
+
+    def wrap(cls):
+        if kind in REGISTRY or not (0 < kind < 256):
+            raise RuntimeError(f"bad or duplicate message kind {kind}")
+        cls = dataclass(frozen=True, kw_only=True)(cls)
+        cls.KIND = kind
+        cls.FRAMES = frames
+        REGISTRY[kind] = cls
+        return cls
+
+    return wrap
+
+
+def _require(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise FieldError(field, what)
+
+
+class FieldError(ValueError):
+    """A field failed validation; ``field`` names it for the Error reply."""
+
+    def __init__(self, field: str, what: str):
+        super().__init__(f"{field}: {what}")
+        self.field = field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    KIND: ClassVar[int]
+    FRAMES: ClassVar[tuple[int, int]]
+    req_id: int
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.req_id < 1 << 63, "req_id", "must be in [0, 2**63)")
+        self.check()
+
+    def check(self) -> None:
+        """Per-class range checks; raise FieldError."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionInfo:
+    """A shared-memory region: its name (without the leading '/') and size in bytes."""
+
+    name: str
+    nbytes: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _require(0 < len(self.name) <= 200 and "/" not in self.name, "name", "bad region name")
+        _require(self.nbytes >= 0, "nbytes", "must be >= 0")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
+
+
+# ----------------------------------------------------------------------------- handshake
+
+
+@message(1)
+class Hello(Message):
+    """First request of every worker. ``manifest`` is sent so the first worker can bootstrap."""
+
+    protocol_version: int
+    rank: int
+    world_size: int
+    manifest_hash: str
+    manifest: Manifest | None = None
+    transport: str = "shm"
+    grad_dtype: str = "float32"
+    pid: int = 0
+    host: str = ""
+
+    def check(self) -> None:
+        _require(1 <= self.world_size <= MAX_RANKS, "world_size", f"must be in [1, {MAX_RANKS}]")
+        _require(0 <= self.rank < self.world_size, "rank", "must be in [0, world_size)")
+        _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
+        _require(self.grad_dtype in DTYPES, "grad_dtype", f"must be one of {sorted(DTYPES)}")
+        _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
+        _require(len(self.host) <= 255, "host", "too long")
+
+
+@message(2)
+class Welcome(Message):
+    """Reply to Hello: where the model lives and which step to run next."""
+
+    protocol_version: int
+    run_id: str
+    step: int  # the next step to run (= version of every layer when a step starts)
+    init_required: bool  # this worker must send InitLayer for every layer
+    compute_dtype: str  # dtype of the served copy and of the worker's compute
+    master: RegionInfo  # fp32 master weights (flat layout)
+    compute: RegionInfo | None  # compute-precision copy; None when it is the master itself
+    grads: RegionInfo | None  # this rank's gradient slots (shm transport only)
+    grad_slots: int
+    grad_slot_numel: int
+    world_size: int
+    optimizer: dict[str, str | int | float | bool]  # for display and summaries
+
+
+@message(3)
+class Error(Message):
+    """Any request may be answered by an Error instead of its usual reply."""
+
+    code: str
+    message: str
+    field: str = ""
+
+    def check(self) -> None:
+        _require(self.code in ERROR_CODES, "code", f"must be one of {ERROR_CODES}")
+
+
+@message(4)
+class Ack(Message):
+    """Generic success reply."""
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@message(5, frames=(1, 1))
+class InitLayer(Message):
+    """Initial fp32 values of one layer, as one frame in the layer's flat layout."""
+
+    layer: int
+
+    def check(self) -> None:
+        _require(self.layer >= 0, "layer", "must be >= 0")
+
+
+@message(6)
+class Fetch(Message):
+    """Ask for ``layer`` at version >= ``min_version``; answered when that version exists."""
+
+    layer: int
+    min_version: int
+    which: str = "compute"
+
+    def check(self) -> None:
+        _require(self.layer >= 0, "layer", "must be >= 0")
+        _require(self.min_version >= 0, "min_version", "must be >= 0")
+        _require(self.which in WHICH, "which", f"must be one of {WHICH}")
+
+
+@message(7, frames=(0, 1))
+class LayerReady(Message):
+    """Reply to Fetch. shm transport: read ``nbytes`` at ``offset`` of ``region``; frames
+    transport: the bytes are the one tensor frame (``region`` is empty)."""
+
+    layer: int
+    version: int
+    region: str
+    offset: int
+    nbytes: int
+    dtype: str
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+@message(8, frames=(0, 1))
+class PushGrad(Message):
+    """A worker's gradient of ``layer`` for ``step``: summed over its micro-batches and already
+    normalised by the global minibatch. shm: in grad slot ``slot``; frames: ``slot`` = -1 and
+    the bytes are the one tensor frame. Both are in the layer's flat layout, dtype ``dtype``."""
+
+    step: int
+    layer: int
+    rank: int
+    slot: int
+    dtype: str
+
+    def check(self) -> None:
+        _require(self.step >= 0, "step", "must be >= 0")
+        _require(self.layer >= 0, "layer", "must be >= 0")
+        _require(0 <= self.rank < MAX_RANKS, "rank", "out of range")
+        _require(self.slot >= -1, "slot", "must be >= -1")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
+
+
+@message(9)
+class GradAck(Message):
+    """The gradient has been reduced; its slot may be reused."""
+
+    step: int
+    layer: int
+    slot: int
+
+
+# ----------------------------------------------------------------------------- control
+
+
+@message(10)
+class Save(Message):
+    """Write a checkpoint of the server's state (after the last complete step) to ``path``."""
+
+    path: str
+
+    def check(self) -> None:
+        _require(0 < len(self.path) <= MAX_STR, "path", "must be a non-empty path")
+
+
+@message(11)
+class Status(Message):
+    """Ask for the server's state."""
+
+
+@message(12)
+class StatusReply(Message):
+    run_id: str
+    step: int  # last step completed by every layer
+    versions: tuple[int, ...]
+    world_size: int
+    ranks: tuple[int, ...]  # ranks that said Hello and not Bye
+    stats: dict[str, int | float | str]
+
+
+@message(13)
+class Bye(Message):
+    """A worker leaves; ``done`` says it finished its job (vs. aborting)."""
+
+    rank: int
+    done: bool

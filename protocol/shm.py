@@ -1,0 +1,147 @@
+"""Named POSIX shared-memory regions: create (owner only), attach, view as tensors, unlink.
+
+Why not ``multiprocessing.shared_memory``: on Python 3.11 its resource tracker unlinks a
+segment when *any* process that attached it exits. Here only the creator (the EPS) unlinks, and
+attaching processes never register anything. Regions are created with mode 0600 and an
+attacher refuses a region that is not owned by its own user or is readable by others.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import warnings
+
+import _posixshmem
+import torch
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+SHM_DIR = "/dev/shm"  # Linux; used only to list regions by prefix for cleanup
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"bad shared-memory name {name!r}: use [A-Za-z0-9._-], 1..200 chars")
+    return name
+
+
+class Region:
+    """One mapped shared-memory region. Use ``create`` (owner) or ``attach``."""
+
+    def __init__(self, name: str, nbytes: int, mm: mmap.mmap, owner: bool, writable: bool):
+        self.name = name
+        self.nbytes = nbytes
+        self.owner = owner
+        self.writable = writable
+        self._mm = mm
+        self._base: torch.Tensor | None = None
+        self._unlinked = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> Region:
+        """Create a new region of ``nbytes`` (zero-filled), readable only by this user."""
+        check_name(name)
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            os.fchmod(fd, 0o600)  # independent of umask
+            if nbytes:
+                os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes)
+            else:
+                mm = mmap.mmap(-1, 1)  # mmap cannot map 0 bytes; nothing is shared
+        except BaseException:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        os.close(fd)
+        return cls(name, nbytes, mm, owner=True, writable=True)
+
+    @classmethod
+    def attach(cls, name: str, nbytes: int, writable: bool = True) -> Region:
+        """Map an existing region; checks its size, owner and permissions."""
+        check_name(name)
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR if writable else os.O_RDONLY, mode=0)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise PermissionError(f"region {name!r} is owned by uid {st.st_uid}, not us")
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise PermissionError(f"region {name!r} is accessible by other users")
+            if st.st_size != nbytes:
+                raise ValueError(f"region {name!r} has {st.st_size} bytes, expected {nbytes}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, nbytes, prot=prot) if nbytes else mmap.mmap(-1, 1)
+        finally:
+            os.close(fd)
+        return cls(name, nbytes, mm, owner=False, writable=writable)
+
+    def unlink(self) -> None:
+        """Remove the name (owner only). Mappings stay valid until closed."""
+        if self.owner and not self._unlinked:
+            self._unlinked = True
+            try:
+                _posixshmem.shm_unlink("/" + self.name)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap. Tensors viewing the region must be gone; if some are still alive the mapping
+        stays until they are (it is freed at exit), which is harmless."""
+        self._base = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    # -- views ----------------------------------------------------------------------------
+
+    @property
+    def base(self) -> torch.Tensor:
+        """The whole region as a uint8 tensor (shares memory)."""
+        if self._base is None:
+            with warnings.catch_warnings():
+                # frombuffer warns on read-only buffers; read-only mappings are never written.
+                warnings.simplefilter("ignore", UserWarning)
+                self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._base
+
+    def tensor(self, dtype: torch.dtype, offset_elems: int = 0, numel: int | None = None
+               ) -> torch.Tensor:
+        """A 1-D view of ``numel`` elements of ``dtype`` starting at element ``offset_elems``."""
+        size = dtype.itemsize
+        if numel is None:
+            numel = self.nbytes // size - offset_elems
+        start, end = offset_elems * size, (offset_elems + numel) * size
+        if offset_elems < 0 or numel < 0 or end > self.nbytes:
+            raise ValueError(f"view [{start}, {end}) outside region {self.name!r} "
+                             f"of {self.nbytes} bytes")
+        return self.base[start:end].view(dtype)
+
+    def __repr__(self) -> str:
+        return f"Region({self.name!r}, {self.nbytes} bytes, owner={self.owner})"
+
+
+def list_regions(prefix: str) -> list[str]:
+    """Names of existing regions starting with ``prefix`` (Linux /dev/shm)."""
+    check_name(prefix)
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def unlink_prefix(prefix: str) -> list[str]:
+    """Unlink every region whose name starts with ``prefix``; returns the names removed.
+    Used by launchers to clean up after an EPS that could not clean up itself (SIGKILL)."""
+    removed = []
+    for name in list_regions(prefix):
+        try:
+            _posixshmem.shm_unlink("/" + name)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

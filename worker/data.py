@@ -1,0 +1,107 @@
+"""Seeded synthetic tasks that a model can really learn, sharded by global micro-batch index.
+
+Every micro-batch is a pure function of (seed, step, global micro-batch index): worker r with u
+micro-batches per step takes global indices [r*u, (r+1)*u), so N workers together see exactly
+the minibatch one worker with N*u micro-batches sees, and a resumed run sees the same data as
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+from .models.base import Batch, derive_seed
+
+
+class TriggerTask:
+    """Planted-rule classification (bert). Tokens [0, classes*k) are *triggers*, k per class; the
+    rest are neutral. A sample of class c is neutral noise with 1-3 triggers of class c planted
+    at random positions; position 0 holds a [CLS] token. A model must find the triggers anywhere
+    in the sequence; chance accuracy is 1/classes."""
+
+    def __init__(self, cfg: ModelConfig, triggers_per_class: int = 4):
+        self.cfg = cfg
+        self.k = triggers_per_class
+        self.cls_token = cfg.vocab - 1
+        self.first_neutral = cfg.classes * self.k
+        if self.first_neutral >= self.cls_token:
+            raise ValueError("vocab too small for the trigger task: need > classes*4 + 1 tokens")
+
+    def loss_terms(self, samples: int) -> int:
+        return samples
+
+    def micro_batch(self, step: int, index: int, size: int, norm: float) -> Batch:
+        c = self.cfg
+        g = torch.Generator().manual_seed(derive_seed(c.seed, "data", step, index))
+        labels = torch.randint(0, c.classes, (size,), generator=g)
+        ids = torch.randint(self.first_neutral, self.cls_token, (size, c.seq_len), generator=g)
+        count = torch.randint(1, 4, (size,), generator=g)
+        for j in range(3):
+            pos = torch.randint(1, c.seq_len, (size,), generator=g)
+            trig = labels * self.k + torch.randint(0, self.k, (size,), generator=g)
+            rows = torch.nonzero(count > j).squeeze(1)
+            ids[rows, pos[rows]] = trig[rows]
+        ids[:, 0] = self.cls_token
+        return Batch(ids, labels, norm)
+
+
+class MarkovTask:
+    """Synthetic language (gpt): a sparse random Markov chain, each token followed by one of
+    ``branching`` successors with random probabilities. Next-token loss can fall from ln(vocab)
+    to the chain's entropy rate (``entropy``), which a model only reaches by learning it."""
+
+    def __init__(self, cfg: ModelConfig, branching: int = 4):
+        self.cfg = cfg
+        g = torch.Generator().manual_seed(derive_seed(cfg.seed, "markov"))
+        v = cfg.vocab
+        self.succ = torch.stack([torch.randperm(v, generator=g)[:branching] for _ in range(v)])
+        self.probs = torch.softmax(2.0 * torch.randn(v, branching, generator=g), dim=-1)
+        self.entropy = self._entropy_rate()
+
+    def _entropy_rate(self) -> float:
+        v = self.cfg.vocab
+        trans = torch.zeros(v, v, dtype=torch.float64)
+        trans.scatter_add_(1, self.succ, self.probs.double())
+        pi = torch.full((v,), 1.0 / v, dtype=torch.float64)
+        for _ in range(500):  # stationary distribution by power iteration
+            pi = pi @ trans
+        h_row = -(self.probs.double() * self.probs.double().log()).sum(-1)
+        return float((pi * h_row).sum())
+
+    def loss_terms(self, samples: int) -> int:
+        return samples * (self.cfg.seq_len - 1)
+
+    def micro_batch(self, step: int, index: int, size: int, norm: float) -> Batch:
+        c = self.cfg
+        g = torch.Generator().manual_seed(derive_seed(c.seed, "data", step, index))
+        seq = torch.empty(size, c.seq_len, dtype=torch.long)
+        seq[:, 0] = torch.randint(0, c.vocab, (size,), generator=g)
+        for t in range(1, c.seq_len):
+            choice = torch.multinomial(self.probs[seq[:, t - 1]], 1, generator=g).squeeze(1)
+            seq[:, t] = self.succ[seq[:, t - 1], choice]
+        # Position t predicts token t+1; the last position has no target (-100 is ignored).
+        targets = torch.cat([seq[:, 1:], torch.full((size, 1), -100)], dim=1)
+        return Batch(seq, targets, norm)
+
+
+def build_task(cfg: ModelConfig):
+    return TriggerTask(cfg) if cfg.model == "bert" else MarkovTask(cfg)
+
+
+class Sharder:
+    """The micro-batches of one worker for a step, with the global loss normaliser."""
+
+    def __init__(self, task, micro_batch_size: int, global_micro_batches: int):
+        self.task = task
+        self.size = micro_batch_size
+        self.norm = float(task.loss_terms(micro_batch_size * global_micro_batches))
+
+    def batches(self, step: int, indices) -> list[Batch]:
+        return [self.task.micro_batch(step, i, self.size, self.norm) for i in indices]
+
+
+def chance_loss(cfg: ModelConfig) -> float:
+    return math.log(cfg.classes if cfg.model == "bert" else cfg.vocab)

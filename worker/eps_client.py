@@ -1,0 +1,201 @@
+"""Typed client of the EPS: hello, init_layer, fetch, push_grad, save, status, bye.
+
+One I/O thread owns the ZeroMQ DEALER socket; any thread may call. Every call returns a
+``concurrent.futures.Future`` resolved with the reply (or an ``EpsError``), so the executor can
+have fetches and pushes in flight while it computes. A socket monitor notices the server
+going away: every pending call then fails with ``EpsDisconnected`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+from concurrent.futures import Future
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol import codec
+from protocol.messages import (
+    PROTOCOL_VERSION, Ack, Bye, Error, Fetch, GradAck, Hello, InitLayer, LayerReady, Message,
+    PushGrad, Save, Status, StatusReply, Welcome)
+from protocol.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class EpsError(RuntimeError):
+    """The EPS answered with an Error."""
+
+    def __init__(self, code: str, message: str, field: str = ""):
+        super().__init__(f"EPS refused the request ({code}"
+                         f"{', field ' + field if field else ''}): {message}")
+        self.code, self.field, self.detail = code, field, message
+
+
+class EpsDisconnected(ConnectionError):
+    """The connection to the EPS was lost (the server exited or was killed)."""
+
+
+class EpsClient:
+    def __init__(self, endpoint: str, timeout: float = 600.0):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._closed = False
+        self._lost: str | None = None
+        self._thread = threading.Thread(target=self._run, name="eps-client", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------- calls
+
+    def request(self, msg_type: type[Message], frames=(), **fields) -> Future:
+        """Send a request (req_id is filled in); the future resolves to (reply, frames)."""
+        fut: Future = Future()
+        req_id = next(self._ids)
+        msg = msg_type(req_id=req_id, **fields)
+        wire = codec.encode(msg, frames)
+        with self._lock:
+            if self._lost is not None or self._closed:
+                fut.set_exception(EpsDisconnected(self._lost or "client closed"))
+                return fut
+            self._pending[req_id] = fut
+        self._outbox.put(wire)
+        self._wake_w.send(b"\0")
+        return fut
+
+    def call(self, msg_type: type[Message], frames=(), **fields):
+        """Blocking request; returns the reply message (raises EpsError on an Error reply)."""
+        fut = self.request(msg_type, frames, **fields)
+        return self.wait(fut)[0]
+
+    def wait(self, fut: Future, timeout: float | None = None):
+        try:
+            return fut.result(timeout if timeout is not None else self.timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no reply from the EPS at {self.endpoint} within "
+                               f"{timeout or self.timeout:.0f} s") from None
+
+    def hello(self, *, rank: int, world_size: int, manifest: Manifest, transport: str,
+              grad_dtype: str, send_manifest: bool = True, timeout: float | None = None,
+              protocol_version: int = PROTOCOL_VERSION) -> Welcome:
+        fut = self.request(Hello, protocol_version=protocol_version, rank=rank,
+                           world_size=world_size, manifest_hash=manifest.hash(),
+                           manifest=manifest if send_manifest else None, transport=transport,
+                           grad_dtype=grad_dtype, pid=os.getpid(), host=socket.gethostname())
+        return self.wait(fut, timeout)[0]
+
+    def init_layer(self, layer: int, data) -> Future:
+        return self.request(InitLayer, frames=(data,), layer=layer)
+
+    def fetch(self, layer: int, min_version: int, which: str = "compute") -> Future:
+        return self.request(Fetch, layer=layer, min_version=min_version, which=which)
+
+    def push_grad(self, *, step: int, layer: int, rank: int, slot: int, dtype: str,
+                  data=None) -> Future:
+        return self.request(PushGrad, frames=(data,) if data is not None else (), step=step,
+                            layer=layer, rank=rank, slot=slot, dtype=dtype)
+
+    def save(self, path: str) -> Ack:
+        return self.call(Save, path=path)
+
+    def status(self, timeout: float | None = None) -> StatusReply:
+        return self.wait(self.request(Status), timeout)[0]
+
+    def bye(self, rank: int, done: bool) -> None:
+        try:
+            self.wait(self.request(Bye, rank=rank, done=done), timeout=10.0)
+        except (EpsError, EpsDisconnected, TimeoutError) as e:
+            log.warning("bye not acknowledged: %s", e)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_w.send(b"\0")
+        self._thread.join(timeout=5.0)
+        self._fail_all(EpsDisconnected("client closed"))
+        self._wake_r.close()
+        self._wake_w.close()
+        self._ctx.term()
+
+    # ------------------------------------------------------------------------- I/O thread
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._closed:
+                for item, _ in poller.poll():
+                    if item is sock:
+                        self._on_reply(sock.recv_multipart(copy=False))
+                    elif item is monitor:
+                        event = recv_monitor_message(monitor)["event"]
+                        if event == zmq.EVENT_DISCONNECTED:
+                            self._on_lost("the EPS closed the connection (server exited?)")
+                    else:
+                        try:
+                            self._wake_r.recv(4096)
+                        except BlockingIOError:
+                            pass
+                        while True:
+                            try:
+                                wire = self._outbox.get_nowait()
+                            except queue.Empty:
+                                break
+                            sock.send_multipart(wire, copy=False)
+        except Exception as e:  # a broken socket: fail every caller rather than hang them
+            log.exception("EPS client I/O thread failed")
+            self._on_lost(f"client I/O failed: {e}")
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close()
+
+    def _on_reply(self, frames) -> None:
+        try:
+            msg, tensor_frames = codec.decode(frames)
+        except codec.DecodeError as e:
+            log.error("undecodable reply from the EPS: %s", e)
+            return
+        with self._lock:
+            fut = self._pending.pop(msg.req_id, None)
+        if fut is None:
+            log.warning("reply to unknown request %d (%s)", msg.req_id, type(msg).__name__)
+            return
+        if isinstance(msg, Error):
+            fut.set_exception(EpsError(msg.code, msg.message, msg.field))
+        else:
+            fut.set_result((msg, tensor_frames))  # the memoryviews keep their zmq frames alive
+
+    def _on_lost(self, why: str) -> None:
+        with self._lock:
+            self._lost = why
+        self._fail_all(EpsDisconnected(why))
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+__all__ = ["EpsClient", "EpsError", "EpsDisconnected", "Ack", "GradAck", "LayerReady",
+           "StatusReply", "Welcome"]

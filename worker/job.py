@@ -1,0 +1,126 @@
+"""One worker's job: say Hello, bootstrap the EPS if asked, train, save, say Bye."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+
+import torch
+
+from protocol.safetensors_io import write_safetensors
+from protocol.tensors import Layout, plan_layout, views
+
+from .config import ModelConfig, WorkerConfig
+from .data import Sharder, build_task
+from .eps_client import EpsClient
+from .executor import Executor, StepResult
+from .memory import PeakMemory
+from .models import build_model
+
+log = logging.getLogger("l2l_worker")
+
+INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones are generated
+
+
+def event(kind: str, **fields) -> None:
+    """One machine-readable progress line on stdout (l2l-launch aggregates them)."""
+    print("L2L_EVENT " + json.dumps({"event": kind, **fields}), flush=True)
+
+
+def bootstrap(client: EpsClient, model, layout: Layout) -> None:
+    """Send every layer's initial fp32 values, a few in flight at a time (memory stays at a
+    few layers however deep the model)."""
+    in_flight = []
+    for plan in layout.layers:
+        flat = model.init_flat(plan.index, plan)
+        in_flight.append((client.init_layer(plan.index, flat.numpy().data), flat))
+        if len(in_flight) >= INIT_IN_FLIGHT:
+            client.wait(in_flight.pop(0)[0])
+    for fut, _ in in_flight:
+        client.wait(fut)
+
+
+def save_model(client: EpsClient, transfer, layout: Layout, version: int, path: str,
+               metadata: dict) -> None:
+    """Write the fp32 master at ``version`` as the assembled nn.Module's state dict."""
+    tensors, keep = [], []
+    for plan in layout.layers:
+        ready, frames = client.wait(client.fetch(plan.index, version, which="master"))
+        keep.append(frames)
+        if frames:
+            flat = torch.frombuffer(frames[0], dtype=torch.float32)
+        else:
+            flat = transfer.regions[ready.region].tensor(torch.float32, ready.offset // 4,
+                                                         plan.numel)
+        for slot, view in zip(plan.tensors, views(flat, plan)):
+            tensors.append((f"{plan.name}.{slot.name}", view))
+    write_safetensors(path, tensors, metadata)
+
+
+def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
+    """Train; returns this worker's summary (also written to cfg.summary_json)."""
+    torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(mcfg)
+    manifest = model.manifest()
+    layout = plan_layout(manifest)
+    grad_dtype = "float32"
+    client = EpsClient(cfg.endpoint, cfg.eps_timeout)
+    executor = None
+    results: list[StepResult] = []
+    done = False
+    try:
+        welcome = client.hello(rank=cfg.rank, world_size=cfg.world_size, manifest=manifest,
+                               transport=cfg.transport, grad_dtype=grad_dtype,
+                               timeout=min(cfg.eps_timeout, 120.0))
+        log.info("rank %d: joined run %s at step %d (%d layers, %.2fM params)", cfg.rank,
+                 welcome.run_id, welcome.step, len(layout.layers), manifest.num_params / 1e6)
+        if welcome.init_required:
+            t0 = time.perf_counter()
+            bootstrap(client, model, layout)
+            log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
+        sharder = Sharder(build_task(mcfg), cfg.micro_batch_size, cfg.global_micro_batches)
+        executor = Executor(cfg, mcfg, model, layout, sharder, client, welcome, grad_dtype)
+        memory = PeakMemory(device)
+        t_start = time.perf_counter()
+        for step in range(welcome.step, cfg.steps):
+            r = executor.run_step(step)
+            results.append(r)
+            memory.sample()
+            if cfg.events:
+                event("step", rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
+                      count=r.count, samples=r.samples, seconds=r.seconds)
+        elapsed = time.perf_counter() - t_start
+        peak = memory.value()
+        memory.close()
+        if cfg.save and cfg.rank == 0:
+            save_model(client, executor.transfer, layout, cfg.steps, cfg.save,
+                       {"format": "pt", "model_config": json.dumps(asdict(mcfg)),
+                        "steps": str(cfg.steps)})
+            log.info("rank 0: model saved to %s", cfg.save)
+        done = True
+    finally:
+        if executor is not None:
+            executor.close()
+        client.bye(cfg.rank, done=done)
+        client.close()
+    samples = sum(r.samples for r in results)
+    summary = {
+        "rank": cfg.rank, "world_size": cfg.world_size, "device": str(device), "pid": os.getpid(),
+        "first_step": results[0].step if results else cfg.steps,
+        "steps": len(results), "losses": [r.loss for r in results],
+        "correct": [r.correct for r in results], "counts": [r.count for r in results],
+        "step_seconds": [r.seconds for r in results], "samples": samples,
+        "seconds": elapsed, "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
+        "peak_memory_bytes": peak, "model": asdict(mcfg),
+        "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
+    }
+    if cfg.summary_json:
+        with open(cfg.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
