@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from protocol.endpoints import default_endpoint
@@ -73,6 +74,8 @@ class ServerConfig:
             raise ValueError("threads and grad_slots must be >= 1")
         if self.checkpoint_every and not self.save:
             raise ValueError("checkpoint_every needs a save path")
+        if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
+            raise ValueError("run_id must be 1..64 letters, digits or underscores")
 
     @property
     def compute_dtype(self) -> str:

@@ -3,7 +3,7 @@
 Regions (all created by the EPS, mode 0600, unlinked by the EPS alone):
   l2l-<run>-master        fp32 master of every layer, in the flat layout of protocol.tensors
   l2l-<run>-compute       compute-precision copy (bf16/fp16 only; with fp32 the master is served)
-  l2l-<run>-grads-r<k>    rank k's gradient slots, ``grad_slots`` x the largest layer
+  l2l-<run>-grads-r<k>-<dtype>  rank k's gradient slots, ``grad_slots`` x the largest layer
 
 Versions: ``versions[l]`` is the number of optimizer steps applied to layer l (-1 before its
 initial values arrive). Step t of training reads version t of every layer. Layer l is only ever
@@ -75,7 +75,7 @@ class LayerStore:
 
     @property
     def step(self) -> int:
-        """Last step completed by every layer (= the version all layers have reached)."""
+        """Steps completed by every layer (the lowest version), i.e. the next step to run."""
         return min(self.versions)
 
     # -- regions --------------------------------------------------------------------------

@@ -62,6 +62,6 @@ class Reducer:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True if every element is finite. One reduction pass: a NaN or inf anywhere (or a sum
-    that overflows, which only values near the dtype's max can cause) makes the sum non-finite."""
-    return bool(torch.isfinite(t.sum(dtype=torch.float32)))
+    """True if every element is finite, in one reduction pass: a NaN or inf anywhere makes the
+    sum non-finite, while a float64 sum of finite fp32/bf16/fp16 values cannot overflow."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float64)))

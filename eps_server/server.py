@@ -70,7 +70,8 @@ class EpsServer:
         self.done_ranks: set[int] = set()
         self.stats: Counter = Counter()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="eps-math")
-        self._waiters: dict[int, list[tuple[int, asyncio.Future]]] = {}
+        self._waiters: dict[int, list[tuple[int, asyncio.Future, bytes]]] = {}
+        self._updating: set[int] = set()  # layers whose update is pending or running
         self._versions_changed: asyncio.Condition | None = None
         self._hold_from: int | None = None  # updates from this version on wait (checkpointing)
         self._released: asyncio.Event | None = None
@@ -171,8 +172,13 @@ class EpsServer:
         except codec.DecodeError as e:
             self.stats["bad_messages"] += 1
             log.warning("bad message from %s: %s", identity.hex(), e)
-            await self._send(identity, Error(req_id=codec.peek_req_id(frames), code="bad_message",
-                                             message=str(e), field=e.field))
+            code, text, field = "bad_message", str(e), e.field
+            version = codec.peek(frames, "protocol_version", kind=Hello)
+            if version is not None and version != PROTOCOL_VERSION:
+                # Another version's Hello may not even decode: report the version first.
+                code, text, field = "protocol_version", _version_text(version), "protocol_version"
+            await self._send(identity, Error(req_id=codec.peek_req_id(frames), code=code,
+                                             message=text, field=field))
             return
         handler = self.handlers.get(type(msg))
         try:
@@ -219,13 +225,14 @@ class EpsServer:
         self.store.versions[layer] = version
         waiting = self._waiters.pop(layer, [])
         still = []
-        for min_version, fut in waiting:
+        for entry in waiting:
+            min_version, fut, _ = entry
             if fut.done():
                 continue
             if min_version <= version:
                 fut.set_result(version)
             else:
-                still.append((min_version, fut))
+                still.append(entry)
         if still:
             self._waiters[layer] = still
         if self.store.step > before:
@@ -236,12 +243,20 @@ class EpsServer:
         async with self._versions_changed:
             self._versions_changed.notify_all()
 
-    async def _wait_version(self, layer: int, min_version: int) -> int:
+    async def _wait_version(self, identity: bytes, layer: int, min_version: int) -> int:
         if self.store.versions[layer] >= min_version:
             return self.store.versions[layer]
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(layer, []).append((min_version, fut))
+        self._waiters.setdefault(layer, []).append((min_version, fut, identity))
         return await fut
+
+    def _fail_waiters(self, identity: bytes | None, why: str) -> None:
+        """Fail the pending Fetches of one peer (None: of every peer)."""
+        for waiting in self._waiters.values():
+            for _, fut, who in waiting:
+                if (identity is None or who == identity) and not fut.done():
+                    fut.set_exception(RequestError("internal" if identity is None
+                                                   else "bad_request", why))
 
     def _on_step_complete(self, step: int) -> None:
         """Every layer has reached version ``step``: step-1 is done (0: initial values in)."""
@@ -262,9 +277,8 @@ class EpsServer:
 
     async def on_hello(self, identity: bytes, msg: Hello, frames):
         if msg.protocol_version != PROTOCOL_VERSION:
-            raise RequestError("protocol_version",
-                               f"server speaks protocol version {PROTOCOL_VERSION}, "
-                               f"client sent {msg.protocol_version}", "protocol_version")
+            raise RequestError("protocol_version", _version_text(msg.protocol_version),
+                               "protocol_version")
         if msg.world_size != self.cfg.world_size:
             raise RequestError("bad_request", f"server world size is {self.cfg.world_size}, "
                                f"worker says {msg.world_size}", "world_size")
@@ -283,12 +297,15 @@ class EpsServer:
         elif msg.manifest_hash != self.store.manifest_hash:
             raise RequestError("manifest_mismatch", _mismatch(self.store.manifest, msg),
                                "manifest_hash")
-        init_required = (not self.store.initialised) and msg.rank == self.initialiser_rank
+        init_layers = ()
+        if msg.rank == self.initialiser_rank:  # a restarted initialiser finishes the job
+            init_layers = tuple(i for i, v in enumerate(self.store.versions) if v < 0)
         for old_identity, old in list(self.peers.items()):
             if old.rank == msg.rank and old_identity != identity:
                 log.warning("rank %d reconnected (pid %d replaces pid %d)", msg.rank, msg.pid,
                             old.pid)
                 del self.peers[old_identity]
+                self._fail_waiters(old_identity, f"rank {msg.rank} was replaced")
         self.peers[identity] = Peer(identity, msg.rank, msg.transport, msg.grad_dtype, msg.pid)
         self.done_ranks.discard(msg.rank)
         grads = None
@@ -299,7 +316,7 @@ class EpsServer:
                  msg.transport)
         return Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION, run_id=self.run_id,
-            step=max(self.store.step, 0), init_required=init_required,
+            step=max(self.store.step, 0), init_layers=init_layers,
             compute_dtype=self.cfg.compute_dtype, master=self.store.master_info(),
             compute=self.store.compute_info(),
             grads=grads, grad_slots=self.cfg.grad_slots,
@@ -312,9 +329,6 @@ class EpsServer:
         if peer.rank != self.initialiser_rank:
             raise RequestError("bad_request", f"rank {peer.rank} is not the initialising "
                                f"worker (rank {self.initialiser_rank})", "layer")
-        if self.store.versions[msg.layer] >= 0:
-            raise RequestError("bad_request", f"layer {msg.layer} is already initialised",
-                               "layer")
         plan = self.store.plan(msg.layer)
         data = _frame_tensor(frames[0], "float32", plan.numel)
 
@@ -326,6 +340,9 @@ class EpsServer:
             return True
 
         async with self.locks[msg.layer]:
+            if self.store.versions[msg.layer] >= 0:
+                raise RequestError("bad_request", f"layer {msg.layer} is already initialised",
+                                   "layer")
             if not await self._math(write):
                 raise RequestError("bad_request", f"initial values of layer {msg.layer} are not "
                                    "all finite", "frames")
@@ -340,7 +357,10 @@ class EpsServer:
             raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
                                f"version {msg.min_version} is more than one step ahead",
                                "min_version")
-        version = await self._wait_version(msg.layer, msg.min_version)
+        if msg.min_version <= current and msg.layer in self._updating:
+            raise RequestError("bad_request", f"version {current} of layer {msg.layer} is being "
+                               "replaced: every worker has pushed its gradient", "min_version")
+        version = await self._wait_version(identity, msg.layer, msg.min_version)
         self.stats["fetches"] += 1
         plan = self.store.plan(msg.layer)
         if msg.which == "master" or self.store.compute_region is None:
@@ -353,8 +373,8 @@ class EpsServer:
             # Zero-copy: the layer is not rewritten before this worker pushes its gradient.
             out = (region.base[offset:offset + nbytes].numpy().data,)
         return LayerReady(req_id=msg.req_id, layer=msg.layer, version=version,
-                          region="" if out else region.name, offset=offset, nbytes=nbytes,
-                          dtype=dtype), out
+                          region="" if out else region.name, offset=0 if out else offset,
+                          nbytes=nbytes, dtype=dtype), out
 
     async def on_push(self, identity: bytes, msg: PushGrad, frames):
         peer = self._peer(identity)
@@ -367,14 +387,17 @@ class EpsServer:
             raise RequestError("bad_request", f"gradient for step {msg.step}, but layer "
                                f"{msg.layer} is at version {version}", "step")
         plan = self.store.plan(msg.layer)
+        if msg.dtype != peer.grad_dtype:
+            raise RequestError("bad_request", f"this peer said Hello with grad_dtype "
+                               f"{peer.grad_dtype}, not {msg.dtype}", "dtype")
         if frames:
             if msg.slot != -1:
                 raise RequestError("bad_request", "slot must be -1 with a tensor frame", "slot")
             src = _frame_tensor(frames[0], msg.dtype, plan.numel)
         else:
-            if peer.transport != "shm" or msg.dtype != peer.grad_dtype:
-                raise RequestError("bad_request", f"shm gradients must be {peer.grad_dtype} "
-                                   "in a slot", "dtype")
+            if peer.transport != "shm":
+                raise RequestError("bad_request", "frames transport: send the gradient as a "
+                                   "tensor frame", "frames")
             if not 0 <= msg.slot < self.cfg.grad_slots:
                 raise RequestError("bad_request", f"slot must be in [0, {self.cfg.grad_slots})",
                                    "slot")
@@ -392,7 +415,11 @@ class EpsServer:
 
         async with self.locks[msg.layer]:
             t0 = time.perf_counter()
-            ok = await self._math(reduce)
+            try:
+                ok = await self._math(reduce)
+            except BaseException:
+                self.reducer.release(msg.layer, peer.rank)
+                raise
             self.stats["reduce_seconds"] += time.perf_counter() - t0
             if not ok:
                 self.reducer.release(msg.layer, peer.rank)
@@ -403,6 +430,7 @@ class EpsServer:
         self.stats["pushes"] += 1
         self.stats["bytes_reduced"] += plan.nbytes(msg.dtype)
         if complete:
+            self._updating.add(msg.layer)
             task = asyncio.get_running_loop().create_task(self._update(msg.layer, version))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -424,11 +452,9 @@ class EpsServer:
         except Exception as e:
             log.exception("update of layer %d failed", layer)
             self._broken = f"update of layer {layer} failed: {type(e).__name__}: {e}"
-            for waiting in self._waiters.values():
-                for _, fut in waiting:
-                    if not fut.done():
-                        fut.set_exception(RequestError("internal", self._broken))
+            self._fail_waiters(None, self._broken)
             return
+        self._updating.discard(layer)
         self._set_version(layer, version + 1)
 
     def _apply(self, layer: int, version: int) -> None:
@@ -436,6 +462,7 @@ class EpsServer:
         self.store.publish(layer)
 
     async def on_save(self, identity: bytes, msg: Save, frames):
+        self._peer(identity)  # only a worker of this job may make the server write files
         if self.store is None or not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
         await self._save_at_boundary(msg.path)
@@ -490,13 +517,23 @@ class EpsServer:
                            stats=stats), ()
 
     async def on_bye(self, identity: bytes, msg: Bye, frames):
-        peer = self.peers.pop(identity, None)
-        if peer is not None and msg.done:
+        peer = self._peer(identity)
+        if msg.rank != peer.rank:
+            raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
+                               "rank")
+        del self.peers[identity]
+        self._fail_waiters(identity, f"rank {peer.rank} said Bye")
+        if msg.done:
             self.done_ranks.add(peer.rank)
         if self.cfg.exit_when_done and len(self.done_ranks) >= self.cfg.world_size:
             log.info("all %d workers are done; exiting", self.cfg.world_size)
             asyncio.get_running_loop().call_later(0.05, self._stop.set)
         return Ack(req_id=msg.req_id), ()
+
+
+def _version_text(client_version) -> str:
+    return (f"server speaks protocol version {PROTOCOL_VERSION}, client sent "
+            f"{client_version}: upgrade the older side")
 
 
 def _frame_tensor(frame: memoryview, dtype: str, numel: int) -> torch.Tensor:

@@ -135,6 +135,7 @@ class Launcher:
                 return 1
         workers = [self._spawn(f"w{r}", argv, parse_events=True)
                    for r, argv in enumerate(self.worker_argvs)]
+        server_gone: float | None = None
         while True:
             codes = [w.proc.poll() for w in workers]
             failed = [(w.name, c) for w, c in zip(workers, codes) if c not in (None, 0)]
@@ -143,10 +144,17 @@ class Launcher:
                 return 1
             if all(c == 0 for c in codes):
                 break
-            if server.proc.poll() is not None:
-                self.failure = f"eps-server exited with status {server.proc.returncode} " \
-                               "while workers were running"
-                return 1
+            code = server.proc.poll()
+            if code is not None:
+                # A clean server exit is expected once every worker said Bye (the workers are
+                # then only closing); a failed one, or workers that never exit, is a failure.
+                if code != 0:
+                    self.failure = f"eps-server exited with status {code} while workers ran"
+                    return 1
+                server_gone = server_gone or time.monotonic()
+                if time.monotonic() - server_gone > STOP_GRACE:
+                    self.failure = "workers did not exit after the eps-server finished"
+                    return 1
             time.sleep(0.05)
         try:  # workers said Bye(done); the server saves (if asked) and exits by itself
             server.proc.wait(timeout=300)

@@ -62,7 +62,10 @@ def decode(frames: Sequence[Any]) -> tuple[Message, list[memoryview]]:
         )
     except Exception as e:  # msgpack raises several types for malformed input
         raise DecodeError(f"body is not valid msgpack: {e}", "body") from None
-    msg = _from_wire(cls, obj, cls.__name__)
+    try:
+        msg = _from_wire(cls, obj, "")
+    except DecodeError as e:
+        raise DecodeError(f"{cls.__name__}.{e}", e.field) from None
     extra = [memoryview(f) for f in frames[2:]]
     lo, hi = cls.FRAMES
     if not lo <= len(extra) <= hi:
@@ -71,16 +74,24 @@ def decode(frames: Sequence[Any]) -> tuple[Message, list[memoryview]]:
     return msg, extra
 
 
-def peek_req_id(frames: Sequence[Any]) -> int:
-    """Best-effort req_id of an undecodable message, so the Error reply can still be matched."""
+def peek(frames: Sequence[Any], key: str, kind: type[Message] | None = None) -> Any:
+    """Best-effort int field of an undecodable message (None if absent or not an int), e.g.
+    its req_id so an Error reply can still be matched, or a Hello's protocol_version."""
     try:
+        if kind is not None and memoryview(frames[0]).tobytes() != bytes((kind.KIND,)):
+            return None
         obj = msgpack.unpackb(memoryview(frames[1]), raw=False, max_str_len=_MAX_STR,
                               max_bin_len=_MAX_STR, max_array_len=_MAX_ITEMS,
                               max_map_len=_MAX_ITEMS, max_ext_len=0)
-        rid = obj.get("req_id", 0)
-        return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
+        value = obj.get(key)
+        return value if type(value) is int else None
     except Exception:
-        return 0
+        return None
+
+
+def peek_req_id(frames: Sequence[Any]) -> int:
+    rid = peek(frames, "req_id")
+    return rid if rid is not None and 0 <= rid < 1 << 63 else 0
 
 
 # ----------------------------------------------------------------------------- to wire
@@ -105,79 +116,89 @@ def _hints(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _err(path: str, what: str) -> DecodeError:
+    where = path or "body"
+    return DecodeError(f"{where}: {what}", where)
+
+
 def _from_wire(tp: Any, value: Any, path: str) -> Any:
+    """Rebuild a value of type ``tp``; error fields are paths relative to the message, e.g.
+    ``layer`` or ``manifest.layers[0].tensors[1].shape``."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        errors = []
+        if len(args) == 1:  # Optional[X]: X's own error is the useful one
+            return _from_wire(args[0], value, path)
         for arg in args:
-            if arg is type(None):
-                continue
             try:
                 return _from_wire(arg, value, path)
-            except DecodeError as e:
-                errors.append(str(e))
-        raise DecodeError(f"{path}: no alternative of {tp} matches ({'; '.join(errors)})",
-                          path)
+            except DecodeError:
+                pass
+        raise _err(path, f"expected one of {', '.join(a.__name__ for a in args)}")
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, list):
-            raise DecodeError(f"{path}: expected a list", path)
+            raise _err(path, "expected a list")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_from_wire(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise DecodeError(f"{path}: expected {len(args)} items", path)
-        return tuple(_from_wire(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            raise _err(path, f"expected {len(args)} items")
+        return tuple(_from_wire(a, v, f"{path}[{i}]")
+                     for i, (a, v) in enumerate(zip(args, value)))
     if origin is dict:
         key_t, val_t = typing.get_args(tp)
         if not isinstance(value, dict):
-            raise DecodeError(f"{path}: expected a map", path)
-        return {_from_wire(key_t, k, path): _from_wire(val_t, v, f"{path}.{k}")
+            raise _err(path, "expected a map")
+        return {_from_wire(key_t, k, path): _from_wire(val_t, v, _join(path, str(k)))
                 for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return _dataclass_from_wire(tp, value, path)
     if tp is bool:
         if type(value) is not bool:
-            raise DecodeError(f"{path}: expected a bool", path)
+            raise _err(path, "expected a bool")
         return value
     if tp is int:
         if type(value) is not int:
-            raise DecodeError(f"{path}: expected an int", path)
+            raise _err(path, "expected an int")
         return value
     if tp is float:
         if type(value) not in (int, float):
-            raise DecodeError(f"{path}: expected a number", path)
+            raise _err(path, "expected a number")
         return float(value)
     if tp is str:
         if type(value) is not str:
-            raise DecodeError(f"{path}: expected a string", path)
+            raise _err(path, "expected a string")
         return value
     if tp is bytes:
         if type(value) is not bytes:
-            raise DecodeError(f"{path}: expected bytes", path)
+            raise _err(path, "expected bytes")
         return value
     raise TypeError(f"unsupported field type {tp} at {path}")  # a bug in messages.py
 
 
 def _dataclass_from_wire(cls: type, value: Any, path: str) -> Any:
     if not isinstance(value, dict):
-        raise DecodeError(f"{path}: expected a map", path)
+        raise _err(path, "expected a map")
     hints = _hints(cls)
     unknown = set(value) - set(hints)
     if unknown:
         name = sorted(map(str, unknown))[0]
-        raise DecodeError(f"{path}: unknown field {name!r}", f"{path}.{name}")
+        raise _err(_join(path, name), "unknown field")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in value:
-            kwargs[f.name] = _from_wire(hints[f.name], value[f.name], f"{path}.{f.name}")
+            kwargs[f.name] = _from_wire(hints[f.name], value[f.name], _join(path, f.name))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise DecodeError(f"{path}: missing field {f.name!r}", f"{path}.{f.name}")
+            raise _err(_join(path, f.name), "missing field")
     try:
         return cls(**kwargs)
     except FieldError as e:
-        raise DecodeError(f"{path}.{e}", f"{path}.{e.field}") from None
+        raise _err(_join(path, e.field), e.what) from None
     except (ValueError, TypeError) as e:
-        raise DecodeError(f"{path}: {e}", path) from None
+        raise _err(path, str(e)) from None

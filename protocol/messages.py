@@ -59,7 +59,7 @@ class FieldError(ValueError):
 
     def __init__(self, field: str, what: str):
         super().__init__(f"{field}: {what}")
-        self.field = field
+        self.field, self.what = field, what
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,8 +122,8 @@ class Welcome(Message):
 
     protocol_version: int
     run_id: str
-    step: int  # the next step to run (= version of every layer when a step starts)
-    init_required: bool  # this worker must send InitLayer for every layer
+    step: int  # the next step to run (= steps completed by every layer)
+    init_layers: tuple[int, ...]  # layers this worker must send with InitLayer (bootstrap)
     compute_dtype: str  # dtype of the served copy and of the worker's compute
     master: RegionInfo  # fp32 master weights (flat layout)
     compute: RegionInfo | None  # compute-precision copy; None when it is the master itself
@@ -244,7 +244,7 @@ class Status(Message):
 @message(12)
 class StatusReply(Message):
     run_id: str
-    step: int  # last step completed by every layer
+    step: int  # steps completed by every layer (= the next step to run)
     versions: tuple[int, ...]
     world_size: int
     ranks: tuple[int, ...]  # ranks that said Hello and not Bye

@@ -14,7 +14,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int, default=d.layers, help="number of transformer blocks")
     g.add_argument("--hidden", type=int, default=d.hidden)
     g.add_argument("--heads", type=int, default=d.heads)
-    g.add_argument("--ffn", type=int, default=d.ffn, help="0: 4 x hidden")
+    g.add_argument("--ffn", type=int, default=0, help="0: 4 x hidden")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
     g.add_argument("--vocab", type=int, default=d.vocab)
     g.add_argument("--classes", type=int, default=d.classes)

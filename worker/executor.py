@@ -50,6 +50,8 @@ class Executor:
         self.device = torch.device(cfg.device)
         self.layout = layout
         self.plans = layout.layers
+        if len(self.plans) < 2:
+            raise ValueError("a layered model needs at least two layers (pre ... post)")
         self.sharder = sharder
         self.client = client
         self.grad_dtype = grad_dtype

@@ -30,11 +30,11 @@ def event(kind: str, **fields) -> None:
     print("L2L_EVENT " + json.dumps({"event": kind, **fields}), flush=True)
 
 
-def bootstrap(client: EpsClient, model, layout: Layout) -> None:
-    """Send every layer's initial fp32 values, a few in flight at a time (memory stays at a
+def bootstrap(client: EpsClient, model, layout: Layout, layers) -> None:
+    """Send the initial fp32 values of ``layers``, a few in flight at a time (memory stays at a
     few layers however deep the model)."""
     in_flight = []
-    for plan in layout.layers:
+    for plan in (layout.layers[i] for i in layers):
         flat = model.init_flat(plan.index, plan)
         in_flight.append((client.init_layer(plan.index, flat.numpy().data), flat))
         if len(in_flight) >= INIT_IN_FLIGHT:
@@ -71,7 +71,7 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
     layout = plan_layout(manifest)
     grad_dtype = "float32"
     client = EpsClient(cfg.endpoint, cfg.eps_timeout)
-    executor = None
+    executor = welcome = None
     results: list[StepResult] = []
     done = False
     try:
@@ -80,9 +80,9 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
                                timeout=min(cfg.eps_timeout, 120.0))
         log.info("rank %d: joined run %s at step %d (%d layers, %.2fM params)", cfg.rank,
                  welcome.run_id, welcome.step, len(layout.layers), manifest.num_params / 1e6)
-        if welcome.init_required:
+        if welcome.init_layers:
             t0 = time.perf_counter()
-            bootstrap(client, model, layout)
+            bootstrap(client, model, layout, welcome.init_layers)
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
         sharder = Sharder(build_task(mcfg), cfg.micro_batch_size, cfg.global_micro_batches)
         executor = Executor(cfg, mcfg, model, layout, sharder, client, welcome, grad_dtype)
@@ -107,7 +107,8 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
     finally:
         if executor is not None:
             executor.close()
-        client.bye(cfg.rank, done=done)
+        if welcome is not None:
+            client.bye(cfg.rank, done=done)
         client.close()
     samples = sum(r.samples for r in results)
     summary = {

@@ -1,0 +1,50 @@
+"""Plain PyTorch training of the assembled model: the reference L2L must reproduce."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.config import ModelConfig
+from worker.data import Sharder, build_task
+from worker.models import build_model
+from worker.models.base import param_group
+
+
+def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, batch_size: int,
+                   lr: float = 1e-3, weight_decay: float = 0.01, optimizer: str = "adamw",
+                   momentum: float = 0.0) -> dict[str, torch.Tensor]:
+    """All layers resident, gradient accumulation over the global micro-batches in order,
+    one torch optimizer step per step; biases and norm scales without weight decay."""
+    net = build_model(mcfg).assemble().train()
+    groups: dict[str, list] = {"decay": [], "no_decay": []}
+    for name, p in net.named_parameters():
+        groups[param_group(name, p)].append(p)
+    param_groups = [{"params": groups["decay"], "weight_decay": weight_decay},
+                    {"params": groups["no_decay"], "weight_decay": 0.0}]
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(param_groups, lr=lr)
+    else:
+        opt = torch.optim.SGD(param_groups, lr=lr, momentum=momentum)
+    sharder = Sharder(build_task(mcfg), batch_size, global_micro_batches)
+    for step in range(steps):
+        opt.zero_grad()
+        for index, batch in enumerate(sharder.batches(step, range(global_micro_batches))):
+            loss, _ = net(batch, rng=(mcfg.seed, step, index))
+            loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) -> float:
+    """Every parameter within atol + rtol*|want|; returns the largest absolute difference."""
+    assert set(got) == set(want), set(got) ^ set(want)
+    worst = 0.0
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape, name
+        diff = (g - w).abs()
+        bad = diff > atol + rtol * w.abs()
+        assert not bad.any(), (f"{name}: {int(bad.sum())} elements differ, max "
+                               f"{diff.max().item():.3g}")
+        worst = max(worst, diff.max().item())
+    return worst

@@ -1,0 +1,112 @@
+"""Real processes for multi-process tests: eps-server, l2l-worker, l2l-launch.
+
+Every process is started in its own session with a timeout, and ``Cluster.close`` kills them
+all (whole process groups) and removes the run's shared memory, whatever the test did.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from protocol.shm import list_regions, unlink_prefix
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+           PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+# A small model: hidden 32, 2 blocks; every process uses one torch thread.
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--vocab", "64",
+         "--micro-batch-size", "4", "--threads", "1"]
+
+
+class Cluster:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.run_id = "t" + secrets.token_hex(4)
+        self.sock_dir = tempfile.mkdtemp(prefix="l2lt-")  # short: unix socket paths are limited
+        self.endpoint = f"ipc://{self.sock_dir}/eps.sock"
+        self.procs: list[subprocess.Popen] = []
+        self.server: subprocess.Popen | None = None
+
+    def spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+        out = open(self.tmp / f"{name}.log", "w")
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=self.tmp,
+                             start_new_session=True)
+        p.log_path = self.tmp / f"{name}.log"
+        self.procs.append(p)
+        return p
+
+    def log(self, p: subprocess.Popen) -> str:
+        return p.log_path.read_text()
+
+    def start_server(self, world_size: int = 1, *extra: str, timeout: float = 60) -> subprocess.Popen:
+        self.server = self.spawn(
+            [sys.executable, "-m", "eps_server", "--endpoint", self.endpoint, "--world-size",
+             str(world_size), "--run-id", self.run_id, "--exit-when-done", *extra], "eps")
+        deadline = time.monotonic() + timeout
+        while "EPS_READY" not in self.log(self.server):
+            if self.server.poll() is not None:
+                raise RuntimeError("eps-server died:\n" + self.log(self.server))
+            if time.monotonic() > deadline:
+                raise TimeoutError("eps-server not ready:\n" + self.log(self.server))
+            time.sleep(0.05)
+        return self.server
+
+    def worker(self, rank: int, world_size: int, *extra: str) -> subprocess.Popen:
+        return self.spawn([sys.executable, "-m", "worker", "--endpoint", self.endpoint,
+                           "--rank", str(rank), "--world-size", str(world_size), *extra],
+                          f"w{rank}")
+
+    def wait(self, p: subprocess.Popen, timeout: float = 120) -> int:
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process timed out; log:\n{self.log(p)}") from None
+
+    def run_job(self, world_size: int, *worker_args: str, server_args=(), timeout=180):
+        """Server + world_size workers; waits for all; asserts success."""
+        self.start_server(world_size, *server_args)
+        workers = [self.worker(r, world_size, *worker_args) for r in range(world_size)]
+        for w in workers:
+            code = self.wait(w, timeout)
+            assert code == 0, f"worker failed ({code}):\n{self.log(w)}"
+        code = self.wait(self.server, 60)
+        assert code == 0, f"server failed ({code}):\n{self.log(self.server)}"
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        unlink_prefix(f"l2l-{self.run_id}-")
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+    def leftover_regions(self) -> list[str]:
+        return list_regions(f"l2l-{self.run_id}-")
+
+
+def pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        try:  # a zombie is not alive
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1].startswith("Z"):
+                    continue
+        except FileNotFoundError:
+            continue
+        alive.append(pid)
+    return alive

@@ -1,0 +1,161 @@
+"""l2l-launch: trains (and learns), writes its summary, and leaves no process and no shared
+memory behind: on success, when a worker dies, on Ctrl-C, and when the launcher itself is
+killed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from protocol.shm import list_regions
+from worker.config import ModelConfig
+from worker.data import MarkovTask
+
+from .helpers import ENV, SMALL, pids_alive
+
+LAUNCH = [sys.executable, "-m", "launch", "--quiet"]
+
+
+def processes_with(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (our children carry the run's endpoint)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return pids_alive(found)
+
+
+def launch(tmp_path, *args, timeout=240):
+    endpoint = f"ipc://{tmp_path}/eps.sock"
+    summary = tmp_path / "summary.json"
+    p = subprocess.run([*LAUNCH, "--endpoint", endpoint, "--summary-json", str(summary), *args],
+                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    return p, json.loads(summary.read_text()), endpoint
+
+
+def assert_nothing_left(endpoint: str, run_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while processes_with(endpoint) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_with(endpoint), "processes of the run are still alive"
+    assert not list_regions(f"l2l-{run_id}-"), "shared memory of the run is left"
+
+
+def test_bert_learns_the_planted_rule(tmp_path):
+    """2 workers, 80 steps: accuracy over the last 10 steps >= 0.9 (chance: 0.25)."""
+    p, s, endpoint = launch(tmp_path, "--workers", "2", "--model", "bert", "--steps", "80",
+                            "--micro-batches", "2", *SMALL[:-4], "--micro-batch-size", "8",
+                            "--lr", "3e-3", "--save", str(tmp_path / "m.safetensors"))
+    assert p.returncode == 0, p.stderr
+    assert s["ok"] and s["world_size"] == 2 and s["steps"] == 80 and len(s["losses"]) == 80
+    assert s["samples_per_sec"] > 0
+    assert [w["rank"] for w in s["workers"]] == [0, 1]
+    assert all(w["peak_memory_bytes"] > 0 for w in s["workers"])
+    assert sum(s["accuracy"][-10:]) / 10 >= 0.9
+    assert s["losses"][0] > 1.2 and sum(s["losses"][-10:]) / 10 < 0.3
+    assert (tmp_path / "m.safetensors").exists()
+    assert "done: 80 steps" in p.stdout
+    assert_nothing_left(endpoint, s["run_id"])
+
+
+def test_gpt_learns_the_markov_language(tmp_path):
+    """Next-token loss falls from ln(64) = 4.16 to below 1.5 (the chain's entropy is ~0.53)."""
+    p, s, endpoint = launch(tmp_path, "--workers", "1", "--model", "gpt", "--steps", "80",
+                            "--micro-batches", "4", *SMALL[:-4], "--micro-batch-size", "8",
+                            "--lr", "3e-3")
+    assert p.returncode == 0, p.stderr
+    entropy = MarkovTask(ModelConfig(model="gpt", vocab=64)).entropy
+    assert s["losses"][0] > math.log(64) - 0.2
+    assert sum(s["losses"][-10:]) / 10 < 1.5
+    assert entropy < 0.6
+    assert_nothing_left(endpoint, s["run_id"])
+
+
+def start(tmp_path, steps="100000"):
+    endpoint = f"ipc://{tmp_path}/eps.sock"
+    summary = tmp_path / "summary.json"
+    p = subprocess.Popen([*LAUNCH, "--endpoint", endpoint, "--summary-json", str(summary),
+                          "--workers", "2", "--steps", steps, *SMALL],
+                         env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    for line in p.stdout:  # wait until training is under way
+        if line.startswith("step ") and "/" in line:
+            break
+        assert time.monotonic() < deadline
+    return p, endpoint, summary
+
+
+def run_id_of(endpoint: str) -> str:
+    for pid in processes_with(endpoint):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if "--run-id" in argv:
+            return argv[argv.index("--run-id") + 1]
+    raise AssertionError("no eps-server found")
+
+
+def worker_pid(endpoint: str, rank: int) -> int:
+    for pid in processes_with(endpoint):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if "worker" in argv and argv[argv.index("--rank") + 1] == str(rank):
+            return pid
+    raise AssertionError(f"worker {rank} not found")
+
+
+@pytest.fixture
+def reap():
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_a_dead_worker_stops_the_job_cleanly(tmp_path, reap):
+    p, endpoint, summary = start(tmp_path)
+    reap.append(p)
+    run_id = run_id_of(endpoint)
+    os.kill(worker_pid(endpoint, 1), signal.SIGKILL)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert "w1 exited with status -9" in err
+    s = json.loads(summary.read_text())
+    assert not s["ok"] and "w1" in s["failure"]
+    assert_nothing_left(endpoint, run_id)
+
+
+def test_ctrl_c_stops_everything(tmp_path, reap):
+    p, endpoint, _ = start(tmp_path)
+    reap.append(p)
+    run_id = run_id_of(endpoint)
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert_nothing_left(endpoint, run_id)
+
+
+def test_a_killed_launcher_takes_its_children_along(tmp_path, reap):
+    """Children die with their parent (PR_SET_PDEATHSIG): the EPS gets SIGTERM and unlinks
+    its shared memory even though the launcher had no chance to clean up."""
+    p, endpoint, _ = start(tmp_path)
+    reap.append(p)
+    run_id = run_id_of(endpoint)
+    p.kill()
+    p.wait()
+    assert_nothing_left(endpoint, run_id)

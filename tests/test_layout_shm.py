@@ -1,0 +1,144 @@
+"""Flat layout (alignment, groups, no overlap), the manifest hash, and shared-memory regions."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.safetensors_io import write_safetensors
+from protocol.shm import Region, list_regions, unlink_prefix
+from protocol.tensors import (
+    ALIGN_ELEMS, GROUPS, LayerSpec, Manifest, TensorSpec, plan_layout, views)
+
+tensors = st.builds(TensorSpec, name=st.from_regex(r"[a-z]{1,8}", fullmatch=True),
+                    shape=st.lists(st.integers(1, 300), max_size=3).map(tuple),
+                    group=st.sampled_from(GROUPS))
+layers = st.lists(tensors, min_size=1, max_size=6, unique_by=lambda t: t.name)
+
+
+@settings(max_examples=100)
+@given(st.lists(layers, min_size=1, max_size=5))
+def test_layout_is_aligned_grouped_and_disjoint(tensor_lists):
+    m = Manifest(layers=tuple(LayerSpec(name=f"l{i}", kind="k", tensors=tuple(ts))
+                              for i, ts in enumerate(tensor_lists)))
+    layout = plan_layout(m)
+    end = 0
+    for plan, spec in zip(layout.layers, m.layers):
+        assert plan.offset == end and plan.offset % ALIGN_ELEMS == 0
+        spans = sorted((s.offset, s.offset + s.numel, s.group) for s in plan.tensors)
+        for (a0, a1, _), (b0, _, _) in zip(spans, spans[1:]):
+            assert a1 <= b0  # no overlap
+        for s in plan.tensors:
+            assert s.offset % ALIGN_ELEMS == 0
+            lo, hi = plan.groups[s.group]
+            assert lo <= s.offset and s.offset + s.numel <= hi  # inside its group's span
+        # groups come in GROUPS order and tile the layer
+        present = [g for g in GROUPS if g in plan.groups]
+        bounds = [plan.groups[g] for g in present]
+        assert bounds[0][0] == 0 and bounds[-1][1] == plan.numel
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert [s.name for s in plan.tensors] == [t.name for t in spec.tensors]
+        end += plan.numel
+    assert layout.total_numel == end
+
+
+def test_views_address_each_tensor():
+    m = Manifest(layers=(LayerSpec(name="a", kind="k", tensors=(
+        TensorSpec(name="b", shape=(3,), group="no_decay"), TensorSpec(name="w", shape=(2, 5)))),))
+    plan = plan_layout(m).layers[0]
+    flat = torch.zeros(plan.numel)
+    b, w = views(flat, plan)
+    w.fill_(1)
+    b.fill_(2)
+    assert flat.sum() == 10 + 6
+    assert plan.tensors[1].offset == 0  # decay group first
+
+
+def test_manifest_hash_depends_on_every_detail():
+    base = dict(name="a", kind="k")
+    t = TensorSpec(name="w", shape=(4, 4))
+    m = Manifest(layers=(LayerSpec(**base, tensors=(t,)),), meta={"hidden": 4})
+    variants = [
+        Manifest(layers=(LayerSpec(**base, tensors=(TensorSpec(name="w", shape=(4, 5)),)),),
+                 meta={"hidden": 4}),
+        Manifest(layers=(LayerSpec(**base, tensors=(TensorSpec(name="v", shape=(4, 4)),)),),
+                 meta={"hidden": 4}),
+        Manifest(layers=(LayerSpec(**base, tensors=(
+            TensorSpec(name="w", shape=(4, 4), group="no_decay"),)),), meta={"hidden": 4}),
+        Manifest(layers=(LayerSpec(name="a", kind="k2", tensors=(t,)),), meta={"hidden": 4}),
+        Manifest(layers=(LayerSpec(**base, tensors=(t,)),), meta={"hidden": 5}),
+    ]
+    assert len({m.hash(), *(v.hash() for v in variants)}) == 1 + len(variants)
+    assert m.hash() == Manifest(layers=(LayerSpec(**base, tensors=(t,)),),
+                                meta={"hidden": 4}).hash()
+
+
+@pytest.fixture
+def region_name():
+    name = f"l2l-test-{os.getpid()}"
+    yield name
+    unlink_prefix(name)
+
+
+def test_region_owner_only_and_shared(region_name):
+    r = Region.create(region_name, 4096)
+    try:
+        mode = os.stat(f"/dev/shm/{region_name}").st_mode
+        assert stat.S_IMODE(mode) == 0o600
+        r.tensor(torch.float32)[:4] = torch.arange(4.0)
+        a = Region.attach(region_name, 4096, writable=False)
+        assert a.tensor(torch.float32)[:4].tolist() == [0, 1, 2, 3]
+        with pytest.raises(ValueError):
+            Region.attach(region_name, 8192)  # size mismatch is refused
+        with pytest.raises(ValueError):
+            r.tensor(torch.float32, 1020, 8)  # view beyond the region
+        a.close()
+    finally:
+        r.unlink()
+        r.close()
+    assert region_name not in list_regions("l2l-test-")
+
+
+def test_attach_refuses_a_region_others_can_read(region_name):
+    r = Region.create(region_name, 64)
+    try:
+        os.chmod(f"/dev/shm/{region_name}", 0o644)
+        with pytest.raises(PermissionError):
+            Region.attach(region_name, 64)
+    finally:
+        r.unlink()
+        r.close()
+
+
+def test_bad_region_names_are_refused():
+    for bad in ("", "../etc/passwd", "a/b", "x" * 300):
+        with pytest.raises(ValueError):
+            Region.attach(bad, 1)
+
+
+def test_unlink_prefix_removes_only_matching(region_name):
+    a = Region.create(region_name + "-a", 64)
+    b = Region.create(region_name + "-b", 64)
+    assert unlink_prefix(region_name + "-a") == [region_name + "-a"]
+    assert list_regions(region_name) == [region_name + "-b"]
+    b.unlink()
+    a.close()
+    b.close()
+
+
+def test_streaming_safetensors_reads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    base = torch.arange(20, dtype=torch.float32)
+    items = [("a", base[:6].view(2, 3)), ("b", base[8:12]), ("s", torch.tensor(3.0)),
+             ("h", torch.ones(3, dtype=torch.bfloat16))]
+    write_safetensors(str(tmp_path / "x.safetensors"), items, {"k": "v"})
+    got = load_file(str(tmp_path / "x.safetensors"))
+    for name, t in items:
+        assert torch.equal(got[name], t)
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]

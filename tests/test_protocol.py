@@ -1,0 +1,177 @@
+"""Wire protocol: every message round-trips; malformed input raises DecodeError, nothing else."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import codec
+from protocol.messages import (
+    ERROR_CODES, PROTOCOL_VERSION, REGISTRY, Ack, Bye, Error, Fetch, GradAck, Hello, InitLayer,
+    LayerReady, PushGrad, RegionInfo, Save, Status, StatusReply, Welcome)
+from protocol.tensors import GROUPS, LayerSpec, Manifest, TensorSpec
+
+ids = st.integers(0, 2**63 - 1)
+small = st.integers(0, 10_000)
+names = st.text(st.characters(max_codepoint=0x2FF), min_size=1, max_size=30)
+dtypes = st.sampled_from(["float32", "bfloat16", "float16"])
+scalars = st.one_of(st.text(max_size=20), st.integers(-(2**62), 2**62),
+                    st.floats(allow_nan=False), st.booleans())
+
+tensor_specs = st.builds(TensorSpec, name=names,
+                         shape=st.lists(st.integers(1, 64), min_size=0, max_size=4).map(tuple),
+                         group=st.sampled_from(GROUPS))
+layer_specs = st.builds(
+    LayerSpec, name=names, kind=names,
+    tensors=st.lists(tensor_specs, min_size=1, max_size=5, unique_by=lambda t: t.name).map(tuple))
+manifests = st.builds(
+    Manifest, layers=st.lists(layer_specs, min_size=1, max_size=4,
+                              unique_by=lambda la: la.name).map(tuple),
+    meta=st.dictionaries(st.text(max_size=10), scalars, max_size=4))
+regions = st.builds(RegionInfo, name=st.from_regex(r"[a-z0-9-]{1,40}", fullmatch=True),
+                    nbytes=small, dtype=dtypes)
+
+
+@st.composite
+def hellos(draw):
+    world = draw(st.integers(1, 64))
+    return Hello(req_id=draw(ids), protocol_version=draw(small), rank=draw(st.integers(0, world - 1)),
+                 world_size=world, manifest_hash=draw(st.text(max_size=80)),
+                 manifest=draw(st.none() | manifests), transport=draw(st.sampled_from(["shm", "frames"])),
+                 grad_dtype=draw(dtypes), pid=draw(small), host=draw(st.text(max_size=30)))
+
+
+SAMPLES = {
+    Hello: hellos(),
+    Welcome: st.builds(Welcome, req_id=ids, protocol_version=small, run_id=st.text(max_size=10),
+                       step=small, init_layers=st.lists(small, max_size=4).map(tuple),
+                       compute_dtype=dtypes,
+                       master=regions, compute=st.none() | regions, grads=st.none() | regions,
+                       grad_slots=small, grad_slot_numel=small, world_size=small,
+                       optimizer=st.dictionaries(st.text(max_size=8), scalars, max_size=4)),
+    Error: st.builds(Error, req_id=ids, code=st.sampled_from(ERROR_CODES),
+                     message=st.text(max_size=50), field=st.text(max_size=20)),
+    Ack: st.builds(Ack, req_id=ids),
+    InitLayer: st.builds(InitLayer, req_id=ids, layer=small),
+    Fetch: st.builds(Fetch, req_id=ids, layer=small, min_version=small,
+                     which=st.sampled_from(["compute", "master"])),
+    LayerReady: st.builds(LayerReady, req_id=ids, layer=small, version=small,
+                          region=st.text(max_size=20), offset=small, nbytes=small, dtype=dtypes),
+    PushGrad: st.builds(PushGrad, req_id=ids, step=small, layer=small,
+                        rank=st.integers(0, 4095), slot=st.integers(-1, 8), dtype=dtypes),
+    GradAck: st.builds(GradAck, req_id=ids, step=small, layer=small, slot=st.integers(-1, 8)),
+    Save: st.builds(Save, req_id=ids, path=st.text(min_size=1, max_size=40)),
+    Status: st.builds(Status, req_id=ids),
+    StatusReply: st.builds(StatusReply, req_id=ids, run_id=st.text(max_size=10), step=small,
+                           versions=st.lists(small, max_size=5).map(tuple), world_size=small,
+                           ranks=st.lists(small, max_size=5).map(tuple),
+                           stats=st.dictionaries(st.text(max_size=8),
+                                                 st.one_of(st.integers(-(2**63), 2**63 - 1),
+                                                           st.floats(allow_nan=False),
+                                                           st.text(max_size=8)), max_size=4)),
+    Bye: st.builds(Bye, req_id=ids, rank=small, done=st.booleans()),
+}
+
+
+def test_every_message_kind_has_a_sample():
+    assert set(SAMPLES) == set(REGISTRY.values())
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda c: c.__name__)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_round_trip(cls, data):
+    msg = data.draw(SAMPLES[cls])
+    frames = [b"\x01" * 16] * cls.FRAMES[0]
+    wire = codec.encode(msg, frames)
+    assert wire[0] == bytes([cls.KIND])
+    back, tensor_frames = codec.decode(wire)
+    assert back == msg
+    assert [bytes(f) for f in tensor_frames] == frames
+
+
+def test_kinds_are_unique_bytes():
+    assert all(0 < k < 256 for k in REGISTRY)
+    assert len({c.__name__ for c in REGISTRY.values()}) == len(REGISTRY)
+
+
+def body(**fields):
+    return msgpack.packb(fields)
+
+
+FETCH = dict(req_id=1, layer=0, min_version=0)
+
+
+@pytest.mark.parametrize("frames, field", [
+    ([], "frames"),
+    ([b"\x06"], "frames"),
+    ([b"", body(**FETCH)], "kind"),
+    ([b"\x06\x06", body(**FETCH)], "kind"),
+    ([b"\xff", body(**FETCH)], "kind"),
+    ([b"\x06", b"\xc1garbage"], "body"),
+    ([b"\x06", msgpack.packb([1, 2, 3])], "body"),
+    ([b"\x06", body(req_id=1, layer=0)], "min_version"),
+    ([b"\x06", body(**FETCH, extra=1)], "extra"),
+    ([b"\x06", body(req_id=1, layer="0", min_version=0)], "layer"),
+    ([b"\x06", body(req_id=1, layer=True, min_version=0)], "layer"),
+    ([b"\x06", body(req_id=1, layer=-1, min_version=0)], "layer"),
+    ([b"\x06", body(**FETCH, which="gradients")], "which"),
+    ([b"\x06", body(req_id=-5, layer=0, min_version=0)], "req_id"),
+    ([b"\x06", body(**FETCH), b"unexpected tensor"], "frames"),
+    ([b"\x05", body(req_id=1, layer=0)], "frames"),  # InitLayer needs its tensor frame
+    ([b"\x01", body(req_id=1, protocol_version=1, rank=3, world_size=2, manifest_hash="")],
+     "rank"),
+    ([b"\x01", body(req_id=1, protocol_version=1, rank=0, world_size=1, manifest_hash="",
+                    manifest={"layers": [], "meta": {}})], "manifest"),
+    ([b"\x01", body(req_id=1, protocol_version=1, rank=0, world_size=1, manifest_hash="",
+                    manifest={"layers": [{"name": "a", "kind": "k", "tensors": [
+                        {"name": "w", "shape": [0]}]}], "meta": {}})],
+     "manifest.layers[0].tensors[0]"),
+    ([b"\x03", body(req_id=1, code="whatever", message="")], "code"),
+])
+def test_malformed_is_rejected_with_field(frames, field):
+    with pytest.raises(codec.DecodeError) as e:
+        codec.decode(frames)
+    assert e.value.field == field, (e.value.field, str(e.value))
+
+
+@settings(max_examples=300)
+@given(st.lists(st.binary(max_size=64), max_size=5))
+def test_random_frames_only_raise_decode_error(frames):
+    try:
+        codec.decode(frames)
+    except codec.DecodeError:
+        pass
+
+
+@settings(max_examples=300)
+@given(kind=st.sampled_from(sorted(REGISTRY)),
+       fields=st.dictionaries(st.sampled_from(["req_id", "layer", "step", "rank", "manifest",
+                                               "min_version", "slot", "dtype", "path", "x"]),
+                              st.recursive(st.none() | st.booleans() |
+                                           st.integers(-(2**63), 2**64 - 1) |
+                                           st.floats() | st.text(max_size=5) | st.binary(max_size=5),
+                                           lambda c: st.lists(c, max_size=3) |
+                                           st.dictionaries(st.text(max_size=5), c, max_size=3),
+                                           max_leaves=10)))
+def test_hostile_bodies_only_raise_decode_error(kind, fields):
+    try:
+        codec.decode([bytes([kind]), msgpack.packb(fields, use_bin_type=True)])
+    except codec.DecodeError:
+        pass
+
+
+def test_encode_checks_frame_count():
+    with pytest.raises(ValueError):
+        codec.encode(Fetch(req_id=1, layer=0, min_version=0), [b"x"])
+
+
+def test_peek_req_id():
+    assert codec.peek_req_id([b"\x06", body(req_id=42, layer="bad")]) == 42
+    assert codec.peek_req_id([b"\x06", b"\xc1"]) == 0
+
+
+def test_version_constant():
+    assert isinstance(PROTOCOL_VERSION, int) and PROTOCOL_VERSION >= 1

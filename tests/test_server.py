@@ -1,0 +1,262 @@
+"""A live eps-server against bad input: every bad request gets an Error naming the problem,
+changes nothing, and the server keeps serving."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from protocol import codec
+from protocol.messages import PROTOCOL_VERSION, Bye, Fetch, PushGrad, Status
+from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
+from worker.eps_client import EpsClient, EpsDisconnected, EpsError
+
+from .helpers import SMALL
+
+MANIFEST = Manifest(layers=tuple(
+    LayerSpec(name=f"l{i}", kind="k", tensors=(TensorSpec(name="w", shape=(4, 8)),
+                                               TensorSpec(name="b", shape=(8,), group="no_decay")))
+    for i in range(3)), meta={"model": "test"})
+LAYOUT = plan_layout(MANIFEST)
+
+
+@pytest.fixture
+def server(cluster):
+    cluster.start_server(1, "--lr", "0.1", "--optimizer", "sgd", "--weight-decay", "0")
+    return cluster
+
+
+@pytest.fixture
+def client(server):
+    c = EpsClient(server.endpoint, timeout=20)
+    yield c
+    c.close()
+
+
+def bootstrap(client: EpsClient, transport: str = "frames"):
+    welcome = client.hello(rank=0, world_size=1, manifest=MANIFEST, transport=transport,
+                           grad_dtype="float32")
+    assert welcome.init_layers == tuple(range(len(LAYOUT.layers)))
+    for plan in LAYOUT.layers:
+        client.wait(client.init_layer(plan.index, torch.full((plan.numel,), 1.0).numpy().data))
+    return welcome
+
+
+def master(client: EpsClient, layer: int, version: int) -> torch.Tensor:
+    ready, frames = client.wait(client.fetch(layer, version, which="master"))
+    return torch.frombuffer(bytearray(frames[0]), dtype=torch.float32)
+
+
+def refused(fut_or_call, code: str, field: str | None = None) -> EpsError:
+    with pytest.raises(EpsError) as e:
+        fut_or_call()
+    assert e.value.code == code, e.value
+    if field is not None:
+        assert e.value.field.endswith(field), e.value
+    return e.value
+
+
+def test_protocol_version_mismatch_is_refused(client):
+    err = refused(lambda: client.hello(rank=0, world_size=1, manifest=MANIFEST, transport="shm",
+                                       grad_dtype="float32", protocol_version=PROTOCOL_VERSION + 1),
+                  "protocol_version", "protocol_version")
+    assert f"server speaks protocol version {PROTOCOL_VERSION}" in str(err)
+
+
+def test_requests_before_hello_and_without_model(client):
+    refused(lambda: client.wait(client.fetch(0, 0)), "not_registered")
+    refused(lambda: client.hello(rank=0, world_size=1, manifest=MANIFEST, transport="shm",
+                                 grad_dtype="float32", send_manifest=False), "not_ready", "manifest")
+    refused(lambda: client.hello(rank=0, world_size=2, manifest=MANIFEST, transport="shm",
+                                 grad_dtype="float32"), "bad_request", "world_size")
+
+
+def test_manifest_mismatch_is_refused_with_the_difference(client, server):
+    bootstrap(client)
+    other = Manifest(layers=tuple(
+        LayerSpec(name=la.name, kind="k", tensors=(TensorSpec(name="w", shape=(4, 9)),
+                                                   la.tensors[1])) for la in MANIFEST.layers),
+        meta=MANIFEST.meta)
+    c2 = EpsClient(server.endpoint, timeout=20)
+    try:
+        err = refused(lambda: c2.hello(rank=0, world_size=1, manifest=other, transport="shm",
+                                       grad_dtype="float32"), "manifest_mismatch")
+        assert "layer 'l0' tensor 'w' (4, 9)" in str(err) and "(4, 8)" in str(err)
+    finally:
+        c2.close()
+
+
+def test_bad_pushes_change_nothing(client):
+    bootstrap(client)
+    n = LAYOUT.layers[2].numel
+    grad = torch.ones(n)
+
+    def push(**kw):
+        args = dict(step=0, layer=2, rank=0, slot=-1, dtype="float32", data=grad.numpy().data)
+        args.update(kw)
+        return lambda: client.wait(client.push_grad(**args))
+
+    refused(push(step=1), "bad_request", "step")
+    refused(push(layer=9), "bad_request", "layer")
+    refused(push(rank=0, data=torch.ones(n + 1).numpy().data), "bad_request", "frames")
+    nan = grad.clone()
+    nan[5] = float("nan")
+    refused(push(data=nan.numpy().data), "bad_request", "frames")
+    inf = grad.clone()
+    inf[0] = float("inf")
+    refused(push(data=inf.numpy().data), "bad_request", "frames")
+    refused(lambda: client.wait(client.init_layer(0, torch.zeros(LAYOUT.layers[0].numel)
+                                                  .numpy().data)), "bad_request", "layer")
+    # None of it touched layer 2: one good push still gives exactly w - lr * g.
+    client.wait(client.push_grad(step=0, layer=2, rank=0, slot=-1, dtype="float32",
+                                 data=grad.numpy().data))
+    refused(push(), "bad_request")  # a second push for step 0 (duplicate, or stale once updated)
+    after = master(client, 2, 1)
+    plan = LAYOUT.layers[2]
+    for s in plan.tensors:
+        assert torch.allclose(after[s.offset:s.offset + s.numel], torch.full((s.numel,), 0.9))
+
+
+def test_duplicate_push_in_one_step_is_refused(server, cluster):
+    cluster.close()
+    cluster.start_server(2, "--lr", "0.1", "--optimizer", "sgd", "--weight-decay", "0")
+    a, b = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
+    try:
+        a.hello(rank=0, world_size=2, manifest=MANIFEST, transport="frames", grad_dtype="float32")
+        b.hello(rank=1, world_size=2, manifest=MANIFEST, transport="frames", grad_dtype="float32")
+        for plan in LAYOUT.layers:
+            a.wait(a.init_layer(plan.index, torch.ones(plan.numel).numpy().data))
+        g = torch.ones(LAYOUT.layers[0].numel).numpy().data
+        a.wait(a.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32", data=g))
+        refused(lambda: a.wait(a.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32",
+                                           data=g)), "bad_request", "rank")
+        refused(lambda: b.wait(b.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32",
+                                           data=g)), "bad_request", "rank")
+        b.wait(b.push_grad(step=0, layer=0, rank=1, slot=-1, dtype="float32", data=g))
+        # Two workers' gradients of 1 were summed: w = 1 - 0.1 * 2.
+        assert torch.allclose(master(a, 0, 1)[:32], torch.full((32,), 0.8))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_fetch_waits_for_the_version_and_refuses_far_future(client):
+    bootstrap(client)
+    refused(lambda: client.wait(client.fetch(0, 2)), "bad_request", "min_version")
+    fut = client.fetch(0, 1)
+    time.sleep(0.3)
+    assert not fut.done()  # version 1 does not exist yet
+    client.wait(client.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32",
+                                 data=torch.zeros(LAYOUT.layers[0].numel).numpy().data))
+    ready, _ = client.wait(fut)
+    assert ready.version == 1
+
+
+def raw_socket(endpoint: str):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)
+    s.connect(endpoint)
+    return s
+
+
+def test_malformed_and_hostile_messages_never_crash_the_server(server, client):
+    bootstrap(client)
+    s = raw_socket(server.endpoint)
+    rng = random.Random(0)
+    valid = codec.encode(Fetch(req_id=7, layer=0, min_version=0))
+    cases = [
+        [b""], [b"\x06"], [b"\x00", b""], [b"\xfe", b"\x80"], [b"\x06", b"\xc1"],
+        [b"\x06", msgpack.packb({"req_id": 3, "layer": "zero", "min_version": 0})],
+        [b"\x06", msgpack.packb({"req_id": 4, "layer": 0, "min_version": 0, "evil": 1})],
+        [b"\x02", msgpack.packb({"req_id": 5})],  # a reply kind sent as a request
+        [b"\x06", msgpack.packb([[[[[[[[[[[]]]]]]]]]]])],
+        [b"\x06", b"\xdd\xff\xff\xff\xff"],  # array header claiming 4G entries
+        [b"\x08", codec.encode(PushGrad(req_id=6, step=0, layer=0, rank=0, slot=1,
+                                        dtype="float32"))[1]],  # not this socket's rank
+        valid + [b"extra"] * 20,
+    ]
+    for _ in range(60):
+        frames = [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 12)))
+                  for _ in range(rng.randint(1, 4))]
+        cases.append(frames)
+    for frames in cases:
+        s.send_multipart(frames)
+        reply, _ = codec.decode(s.recv_multipart())
+        assert type(reply).__name__ == "Error", (frames, reply)
+        assert reply.code in ("bad_message", "not_registered", "bad_request")
+    s.send_multipart(codec.encode(Status(req_id=99)))
+    status, _ = codec.decode(s.recv_multipart())
+    assert status.req_id == 99 and status.stats["bad_messages"] >= 10
+    s.close()
+    assert client.status().versions == (0, 0, 0)  # the model is intact
+
+
+def test_worker_fails_clearly_when_the_server_is_killed(cluster):
+    cluster.start_server(2)  # world size 2, only one worker: it will wait for the other
+    w = cluster.worker(0, 2, *SMALL, "--steps", "50")
+    deadline = time.monotonic() + 60
+    while "initialised the EPS" not in cluster.log(w):
+        assert time.monotonic() < deadline, cluster.log(w)
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.killpg(cluster.server.pid, signal.SIGKILL)
+    code = cluster.wait(w, 30)
+    assert code == 1
+    assert "connection" in cluster.log(w) and "EPS" in cluster.log(w)
+
+
+def test_client_reports_disconnect(server, client):
+    bootstrap(client)
+    os.killpg(server.server.pid, signal.SIGKILL)
+    server.server.wait()
+    with pytest.raises(EpsDisconnected):
+        client.wait(client.fetch(0, 1))
+
+
+def test_a_future_hello_gets_a_version_error_not_a_decode_error(server):
+    """A client of another protocol version may send fields this server does not know; it
+    must still learn that the versions differ."""
+    s = raw_socket(server.endpoint)
+    body = {"req_id": 5, "protocol_version": PROTOCOL_VERSION + 1, "rank": 0, "world_size": 1,
+            "manifest_hash": "x", "capabilities": ["from", "the", "future"]}
+    s.send_multipart([b"\x01", msgpack.packb(body)])
+    reply, _ = codec.decode(s.recv_multipart())
+    s.close()
+    assert (reply.req_id, reply.code, reply.field) == (5, "protocol_version", "protocol_version")
+    assert "upgrade" in reply.message
+
+
+def test_save_and_bye_need_a_registered_worker(client, tmp_path):
+    refused(lambda: client.save(str(tmp_path / "ckpt")), "not_registered")
+    assert not (tmp_path / "ckpt").exists()
+    bootstrap(client)
+    refused(lambda: client.call(Bye, rank=3, done=True), "bad_request", "rank")
+    client.save(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "master.safetensors").exists()
+
+
+def test_a_restarted_initialiser_sends_only_the_missing_layers(server):
+    a = EpsClient(server.endpoint, 20)
+    welcome = a.hello(rank=0, world_size=1, manifest=MANIFEST, transport="frames",
+                      grad_dtype="float32")
+    a.wait(a.init_layer(0, torch.ones(LAYOUT.layers[0].numel).numpy().data))
+    a.close()  # dies half-way through the bootstrap
+    b = EpsClient(server.endpoint, 20)
+    try:
+        welcome = b.hello(rank=0, world_size=1, manifest=MANIFEST, transport="frames",
+                          grad_dtype="float32")
+        assert welcome.init_layers == (1, 2)
+        for layer in welcome.init_layers:
+            b.wait(b.init_layer(layer, torch.ones(LAYOUT.layers[layer].numel).numpy().data))
+        assert b.status().versions == (0, 0, 0)
+    finally:
+        b.close()
