@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once every worker has finished")
+    p.add_argument("--trace", default="", help="write a Chrome/Perfetto trace here at exit")
     p.add_argument("--log-level", default="INFO")
     add_optimizer_args(p)
     return p
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServerConfig(endpoint=a.endpoint, world_size=a.world_size, precision=a.precision,
                            optimizer=optimizer_config(a), threads=a.server_threads,
                            grad_slots=a.grad_slots, run_id=a.run_id, load=a.load, save=a.save,
-                           checkpoint_every=a.checkpoint_every, exit_when_done=a.exit_when_done)
+                           checkpoint_every=a.checkpoint_every, exit_when_done=a.exit_when_done,
+                           trace=a.trace)
     except ValueError as e:
         print(f"eps-server: {e}", file=sys.stderr)
         return 2

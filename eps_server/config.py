@@ -64,6 +64,8 @@ class ServerConfig:
     """Also save to ``save`` every N completed steps (0: only at exit)."""
     exit_when_done: bool = False
     """Exit once all world_size workers said Bye(done=True)."""
+    trace: str = ""
+    """Write a Chrome/Perfetto trace (reduce, update, checkpoint spans) here at exit."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.world_size <= 4096:

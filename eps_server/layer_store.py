@@ -4,6 +4,7 @@ Regions (all created by the EPS, mode 0600, unlinked by the EPS alone):
   l2l-<run>-master        fp32 master of every layer, in the flat layout of protocol.tensors
   l2l-<run>-compute       compute-precision copy (bf16/fp16 only; with fp32 the master is served)
   l2l-<run>-grads-r<k>-<dtype>  rank k's gradient slots, ``grad_slots`` x the largest layer
+  l2l-<run>-stash-r<k>    rank k's stash arena (``--stash eps``), sized by the worker
 
 Versions: ``versions[l]`` is the number of optimizer steps applied to layer l (-1 before its
 initial values arrive). Step t of training reads version t of every layer. Layer l is only ever
@@ -34,6 +35,7 @@ class LayerStore:
         self.versions = [-1] * len(self.layout.layers)
         self._regions: list[Region] = []
         self._grad_regions: dict[int, Region] = {}
+        self._stash_regions: dict[int, Region] = {}
         self.master_region = self._create("master", self.layout.nbytes("float32"))
         self.compute_region = (
             None if compute_dtype == "float32"
@@ -107,6 +109,20 @@ class LayerStore:
             self._grad_regions[rank] = region
         return region
 
+    def stash_region(self, rank: int, nbytes: int) -> Region:
+        """Rank's stash arena (EPS-owned shared memory for its boundary activations)."""
+        old = self._stash_regions.pop(rank, None)
+        if old is not None and old.nbytes == nbytes:
+            self._stash_regions[rank] = old
+            return old
+        if old is not None:
+            self._regions.remove(old)
+            old.unlink()
+            old.close()
+        region = self._create(f"stash-r{rank}", nbytes)
+        self._stash_regions[rank] = region
+        return region
+
     def grad_slot(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor:
         region = self._grad_regions[rank]
         return region.tensor(DTYPES[dtype], slot * self.layout.max_layer_numel, numel)
@@ -119,3 +135,4 @@ class LayerStore:
             region.close()
         self._regions.clear()
         self._grad_regions.clear()
+        self._stash_regions.clear()

@@ -10,6 +10,7 @@ Error reply and is logged; the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -27,15 +28,33 @@ import zmq.asyncio
 from protocol import codec
 from protocol.endpoints import check_bind, remove_ipc
 from protocol.messages import (
-    PROTOCOL_VERSION, Ack, Bye, Error, Fetch, GradAck, Hello, InitLayer, LayerReady, Message,
-    PushGrad, RegionInfo, Save, Status, StatusReply, Welcome)
+    PROTOCOL_VERSION,
+    Ack,
+    ArenaReady,
+    Bye,
+    Error,
+    Fetch,
+    GradAck,
+    Hello,
+    InitLayer,
+    LayerReady,
+    Message,
+    PushGrad,
+    RegionInfo,
+    Save,
+    StashArena,
+    Status,
+    StatusReply,
+    Welcome,
+)
 from protocol.tensors import DTYPES, Manifest
+from protocol.trace import Tracer
 
 from . import checkpoint
 from .config import ServerConfig
 from .layer_store import LayerStore
 from .optimizers import LayerOptimizer
-from .reducer import Reducer, ReduceError, all_finite
+from .reducer import ReduceError, Reducer, all_finite
 
 log = logging.getLogger("eps_server")
 
@@ -70,6 +89,7 @@ class EpsServer:
         self.done_ranks: set[int] = set()
         self.stats: Counter = Counter()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="eps-math")
+        self.tracer = Tracer(cfg.trace, "eps-server")
         self._waiters: dict[int, list[tuple[int, asyncio.Future, bytes]]] = {}
         self._updating: set[int] = set()  # layers whose update is pending or running
         self._versions_changed: asyncio.Condition | None = None
@@ -81,7 +101,7 @@ class EpsServer:
         self._last_step_time = time.perf_counter()
         self.handlers = {Hello: self.on_hello, InitLayer: self.on_init, Fetch: self.on_fetch,
                          PushGrad: self.on_push, Save: self.on_save, Status: self.on_status,
-                         Bye: self.on_bye}
+                         Bye: self.on_bye, StashArena: self.on_stash_arena}
         torch.set_num_threads(cfg.threads)
 
     # ------------------------------------------------------------------------- model
@@ -143,6 +163,8 @@ class EpsServer:
                 task.cancel()
             await asyncio.gather(receiver, *self._tasks, return_exceptions=True)
             await self._shutdown_save()
+            if ready_line:
+                print("EPS_STATS " + json.dumps(self.stats_snapshot()), flush=True)
             sock.close()
             ctx.term()
             remove_ipc(self.cfg.endpoint)
@@ -157,6 +179,7 @@ class EpsServer:
         if self.store is not None:
             self.store.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.tracer.close()
 
     async def _receive(self) -> None:
         while True:
@@ -408,10 +431,11 @@ class EpsServer:
             raise RequestError("bad_request", str(e), e.field) from None
 
         def reduce() -> bool:
-            if not all_finite(src):
-                return False
-            self.reducer.add(msg.layer, src)
-            return True
+            with self.tracer.span(f"reduce L{msg.layer} r{peer.rank}", "reduce"):
+                if not all_finite(src):
+                    return False
+                self.reducer.add(msg.layer, src)
+                return True
 
         async with self.locks[msg.layer]:
             t0 = time.perf_counter()
@@ -458,8 +482,22 @@ class EpsServer:
         self._set_version(layer, version + 1)
 
     def _apply(self, layer: int, version: int) -> None:
-        self.optimizers[layer].step(self.cfg.optimizer.lr)
-        self.store.publish(layer)
+        with self.tracer.span(f"update L{layer}", "update"):
+            self.optimizers[layer].step(self.cfg.optimizer.lr)
+            self.store.publish(layer)
+
+    async def on_stash_arena(self, identity: bytes, msg: StashArena, frames):
+        peer = self._peer(identity)
+        if self.store is None:
+            raise RequestError("not_ready", "the server has no model yet")
+        try:
+            region = self.store.stash_region(peer.rank, msg.nbytes)
+        except OSError as e:
+            raise RequestError("bad_request", f"cannot allocate a stash arena of {msg.nbytes} "
+                               f"bytes: {e}", "nbytes") from None
+        log.info("stash arena of %.1f MiB for rank %d", msg.nbytes / 2**20, peer.rank)
+        return ArenaReady(req_id=msg.req_id, region=RegionInfo(
+            name=region.name, nbytes=region.nbytes, dtype="float32")), ()
 
     async def on_save(self, identity: bytes, msg: Save, frames):
         self._peer(identity)  # only a worker of this job may make the server write files
@@ -505,11 +543,17 @@ class EpsServer:
                           "precision": self.cfg.precision})
         log.info("final checkpoint of step %d written to %s", self.store.step, self.cfg.save)
 
-    async def on_status(self, identity: bytes, msg: Status, frames):
-        versions = tuple(self.store.versions) if self.store else ()
+    def stats_snapshot(self) -> dict:
         stats = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}
+        stats.update(peak_memory_bytes(), params=self.store.manifest.num_params if self.store
+                     else 0)
         if self._broken:
             stats["broken"] = self._broken
+        return stats
+
+    async def on_status(self, identity: bytes, msg: Status, frames):
+        versions = tuple(self.store.versions) if self.store else ()
+        stats = self.stats_snapshot()
         return StatusReply(req_id=msg.req_id, run_id=self.run_id,
                            step=max(self.store.step, 0) if self.store else 0, versions=versions,
                            world_size=self.cfg.world_size,
@@ -529,6 +573,20 @@ class EpsServer:
             log.info("all %d workers are done; exiting", self.cfg.world_size)
             asyncio.get_running_loop().call_later(0.05, self._stop.set)
         return Ack(req_id=msg.req_id), ()
+
+
+def peak_memory_bytes() -> dict[str, int]:
+    """This process's peak and current resident memory, shared memory included (Linux)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssShmem"):
+                    out[f"{key.lower()}_bytes"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _version_text(client_version) -> str:

@@ -16,6 +16,7 @@ import time
 
 from eps_server.__main__ import add_optimizer_args
 from eps_server.config import PRECISIONS
+from protocol.trace import merge
 from worker.cli import add_job_args, add_model_args, job_argv
 
 from .launcher import Launcher, private_run_dir
@@ -33,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server-save", default="", help="EPS checkpoint directory (at exit)")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--load", default="", help="EPS checkpoint to resume from")
+    p.add_argument("--trace", default="", help="write one Chrome/Perfetto trace of all "
+                   "processes here (render: python -m bench.timeline TRACE --png OUT)")
     p.add_argument("--quiet", action="store_true", help="hide the children's logs")
     add_model_args(p)
     add_job_args(p)
@@ -60,6 +63,8 @@ def build(a: argparse.Namespace) -> Launcher:
         server += ["--server-save", a.server_save, "--checkpoint-every", str(a.checkpoint_every)]
     if a.load:
         server += ["--load", a.load]
+    if a.trace:
+        server += ["--trace", os.path.join(run_dir, "trace-eps.json")]
     workers = []
     for rank in range(a.workers):
         argv = [py, "-m", "worker", "--endpoint", endpoint, "--rank", str(rank),
@@ -68,6 +73,8 @@ def build(a: argparse.Namespace) -> Launcher:
         argv[argv.index("--device") + 1] = worker_device(a.device, rank)
         if rank == 0 and a.save:
             argv += ["--save", os.path.abspath(a.save)]
+        if a.trace:
+            argv += ["--trace", os.path.join(run_dir, f"trace-w{rank}.json")]
         workers.append(argv)
     return Launcher(server, workers, run_id, run_dir, a.steps, quiet=a.quiet)
 
@@ -96,12 +103,14 @@ def summarize(a: argparse.Namespace, launcher: Launcher, code: int, elapsed: flo
         "elapsed_seconds": elapsed,
         "workers": [{"rank": w["rank"], "device": w["device"],
                      "peak_memory_bytes": w["peak_memory_bytes"],
-                     "samples_per_sec": w["samples_per_sec"]} for w in ranks],
+                     "samples_per_sec": w["samples_per_sec"],
+                     "step_seconds": w["step_seconds"]} for w in ranks],
         "model": {k: getattr(a, k) for k in ("model", "layers", "hidden", "heads", "seq_len",
                                               "vocab", "dropout", "seed")},
         "job": {k: getattr(a, k) for k in ("micro_batches", "micro_batch_size", "device",
                                             "precision", "optimizer", "lr", "transport")},
         "save": os.path.abspath(a.save) if a.save and code == 0 else None,
+        "eps": launcher.eps_stats,
     }
 
 
@@ -115,14 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = launcher.run()
         summary = summarize(a, launcher, code, time.perf_counter() - t0)
+        if a.trace:
+            parts = ["trace-eps.json"] + [f"trace-w{r}.json" for r in range(a.workers)]
+            merge([os.path.join(launcher.run_dir, p) for p in parts], a.trace)
     finally:
         launcher.cleanup()
     if code == 0:
-        print(f"done: {summary['steps']} steps, final loss "
-              f"{summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
+        peak = max((w["peak_memory_bytes"] for w in summary["workers"]), default=0)
+        final = summary["losses"][-1] if summary["losses"] else float("nan")
+        print(f"done: {summary['steps']} steps, final loss {final:.4f}, "
               f"{summary['samples_per_sec']:,.1f} samples/s, peak worker memory "
-              f"{max((w['peak_memory_bytes'] for w in summary['workers']), default=0) / 2**20:.0f} MiB",
-              flush=True)
+              f"{peak / 2**20:.0f} MiB", flush=True)
     else:
         print(f"l2l-launch: failed: {launcher.failure}", file=sys.stderr, flush=True)
     if a.summary_json:

@@ -50,6 +50,7 @@ class Launcher:
         self._lock = threading.Lock()
         self._stopping = False
         self.failure: str | None = None
+        self.eps_stats: dict = {}
 
     # ------------------------------------------------------------------------- children
 
@@ -72,6 +73,12 @@ class Launcher:
             line = line.rstrip("\n")
             if is_out and line.startswith("EPS_READY"):
                 self._ready.set()
+                continue
+            if is_out and line.startswith("EPS_STATS "):
+                try:
+                    self.eps_stats = json.loads(line[len("EPS_STATS "):])
+                except ValueError:
+                    pass
                 continue
             if parse_events and line.startswith("L2L_EVENT "):
                 try:

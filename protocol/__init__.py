@@ -2,7 +2,7 @@
 
 from .codec import DecodeError, decode, encode
 from .messages import PROTOCOL_VERSION, REGISTRY
-from .tensors import Layout, LayerPlan, LayerSpec, Manifest, TensorSpec, plan_layout
+from .tensors import LayerPlan, LayerSpec, Layout, Manifest, TensorSpec, plan_layout
 
 __all__ = [
     "PROTOCOL_VERSION", "REGISTRY", "DecodeError", "decode", "encode", "Layout", "LayerPlan",

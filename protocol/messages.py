@@ -257,3 +257,26 @@ class Bye(Message):
 
     rank: int
     done: bool
+
+
+# ----------------------------------------------------------------------------- stash
+
+MAX_ARENA_BYTES = 1 << 40
+
+
+@message(14)
+class StashArena(Message):
+    """Ask for (or resize) this worker's stash arena: EPS-owned shared memory where the worker
+    keeps its boundary activations between forward and backward (``--stash eps``)."""
+
+    nbytes: int
+
+    def check(self) -> None:
+        _require(0 < self.nbytes <= MAX_ARENA_BYTES, "nbytes", f"must be in (0, {MAX_ARENA_BYTES}]")
+
+
+@message(15)
+class ArenaReady(Message):
+    """Reply to StashArena: the arena's region (created for this rank, mode 0600)."""
+
+    region: RegionInfo

@@ -8,13 +8,13 @@ attacher refuses a region that is not owned by its own user or is readable by ot
 
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import re
 import stat
 import warnings
 
-import _posixshmem
 import torch
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")

@@ -46,7 +46,7 @@ class Cluster:
     def log(self, p: subprocess.Popen) -> str:
         return p.log_path.read_text()
 
-    def start_server(self, world_size: int = 1, *extra: str, timeout: float = 60) -> subprocess.Popen:
+    def start_server(self, world_size: int = 1, *extra: str, timeout: float = 60):
         self.server = self.spawn(
             [sys.executable, "-m", "eps_server", "--endpoint", self.endpoint, "--world-size",
              str(world_size), "--run-id", self.run_id, "--exit-when-done", *extra], "eps")

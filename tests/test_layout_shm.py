@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from protocol.safetensors_io import write_safetensors
 from protocol.shm import Region, list_regions, unlink_prefix
 from protocol.tensors import (
-    ALIGN_ELEMS, GROUPS, LayerSpec, Manifest, TensorSpec, plan_layout, views)
+    ALIGN_ELEMS,
+    GROUPS,
+    LayerSpec,
+    Manifest,
+    TensorSpec,
+    plan_layout,
+    views,
+)
 
 tensors = st.builds(TensorSpec, name=st.from_regex(r"[a-z]{1,8}", fullmatch=True),
                     shape=st.lists(st.integers(1, 300), max_size=3).map(tuple),

@@ -9,8 +9,26 @@ from hypothesis import strategies as st
 
 from protocol import codec
 from protocol.messages import (
-    ERROR_CODES, PROTOCOL_VERSION, REGISTRY, Ack, Bye, Error, Fetch, GradAck, Hello, InitLayer,
-    LayerReady, PushGrad, RegionInfo, Save, Status, StatusReply, Welcome)
+    ERROR_CODES,
+    PROTOCOL_VERSION,
+    REGISTRY,
+    Ack,
+    ArenaReady,
+    Bye,
+    Error,
+    Fetch,
+    GradAck,
+    Hello,
+    InitLayer,
+    LayerReady,
+    PushGrad,
+    RegionInfo,
+    Save,
+    StashArena,
+    Status,
+    StatusReply,
+    Welcome,
+)
 from protocol.tensors import GROUPS, LayerSpec, Manifest, TensorSpec
 
 ids = st.integers(0, 2**63 - 1)
@@ -37,10 +55,11 @@ regions = st.builds(RegionInfo, name=st.from_regex(r"[a-z0-9-]{1,40}", fullmatch
 @st.composite
 def hellos(draw):
     world = draw(st.integers(1, 64))
-    return Hello(req_id=draw(ids), protocol_version=draw(small), rank=draw(st.integers(0, world - 1)),
-                 world_size=world, manifest_hash=draw(st.text(max_size=80)),
-                 manifest=draw(st.none() | manifests), transport=draw(st.sampled_from(["shm", "frames"])),
-                 grad_dtype=draw(dtypes), pid=draw(small), host=draw(st.text(max_size=30)))
+    return Hello(req_id=draw(ids), protocol_version=draw(small),
+                 rank=draw(st.integers(0, world - 1)), world_size=world,
+                 manifest_hash=draw(st.text(max_size=80)), manifest=draw(st.none() | manifests),
+                 transport=draw(st.sampled_from(["shm", "frames"])), grad_dtype=draw(dtypes),
+                 pid=draw(small), host=draw(st.text(max_size=30)))
 
 
 SAMPLES = {
@@ -72,6 +91,8 @@ SAMPLES = {
                                                            st.floats(allow_nan=False),
                                                            st.text(max_size=8)), max_size=4)),
     Bye: st.builds(Bye, req_id=ids, rank=small, done=st.booleans()),
+    StashArena: st.builds(StashArena, req_id=ids, nbytes=st.integers(1, 2**40)),
+    ArenaReady: st.builds(ArenaReady, req_id=ids, region=regions),
 }
 
 
@@ -146,16 +167,16 @@ def test_random_frames_only_raise_decode_error(frames):
         pass
 
 
+leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+          | st.text(max_size=5) | st.binary(max_size=5))
+values = st.recursive(leaves, lambda c: st.lists(c, max_size=3)
+                      | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=10)
+field_names = st.sampled_from(["req_id", "layer", "step", "rank", "manifest", "min_version",
+                               "slot", "dtype", "path", "x"])
+
+
 @settings(max_examples=300)
-@given(kind=st.sampled_from(sorted(REGISTRY)),
-       fields=st.dictionaries(st.sampled_from(["req_id", "layer", "step", "rank", "manifest",
-                                               "min_version", "slot", "dtype", "path", "x"]),
-                              st.recursive(st.none() | st.booleans() |
-                                           st.integers(-(2**63), 2**64 - 1) |
-                                           st.floats() | st.text(max_size=5) | st.binary(max_size=5),
-                                           lambda c: st.lists(c, max_size=3) |
-                                           st.dictionaries(st.text(max_size=5), c, max_size=3),
-                                           max_leaves=10)))
+@given(kind=st.sampled_from(sorted(REGISTRY)), fields=st.dictionaries(field_names, values))
 def test_hostile_bodies_only_raise_decode_error(kind, fields):
     try:
         codec.decode([bytes([kind]), msgpack.packb(fields, use_bin_type=True)])

@@ -73,7 +73,8 @@ def test_protocol_version_mismatch_is_refused(client):
 def test_requests_before_hello_and_without_model(client):
     refused(lambda: client.wait(client.fetch(0, 0)), "not_registered")
     refused(lambda: client.hello(rank=0, world_size=1, manifest=MANIFEST, transport="shm",
-                                 grad_dtype="float32", send_manifest=False), "not_ready", "manifest")
+                                 grad_dtype="float32", send_manifest=False),
+            "not_ready", "manifest")
     refused(lambda: client.hello(rank=0, world_size=2, manifest=MANIFEST, transport="shm",
                                  grad_dtype="float32"), "bad_request", "world_size")
 

@@ -33,6 +33,10 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     g.add_argument("--transport", choices=("shm", "frames"), default=d.transport)
     g.add_argument("--stash", choices=STASHES, default=d.stash)
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="wait for every fetch and push in turn (no L2Lp overlap)")
+    g.add_argument("--copy-weights", action="store_true",
+                   help="CPU: copy layers into worker memory instead of reading them in place")
     g.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     g.add_argument("--eps-timeout", type=float, default=d.eps_timeout)
 
@@ -48,7 +52,8 @@ def worker_config(a: argparse.Namespace, **over) -> WorkerConfig:
                   steps=a.steps, micro_batches=a.micro_batches,
                   micro_batch_size=a.micro_batch_size, transport=a.transport, stash=a.stash,
                   threads=a.threads, eps_timeout=a.eps_timeout, save=a.save,
-                  summary_json=a.summary_json)
+                  summary_json=a.summary_json, copy_weights=a.copy_weights, trace=a.trace,
+                  overlap=a.overlap)
     fields.update(over)
     return WorkerConfig(**fields)
 
@@ -60,6 +65,10 @@ def job_argv(a: argparse.Namespace) -> list[str]:
                  "dropout", "seed", "device", "steps", "micro_batches", "micro_batch_size",
                  "transport", "stash", "threads", "eps_timeout"):
         out += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+    if a.copy_weights:
+        out.append("--copy-weights")
+    if not a.overlap:
+        out.append("--no-overlap")
     return out
 
 
@@ -74,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--save", default="", help="rank 0: write the trained model (safetensors)")
     p.add_argument("--summary-json", default="", help="write this worker's summary here")
+    p.add_argument("--trace", default="", help="write a Chrome/Perfetto trace here")
     p.add_argument("--log-level", default="INFO")
     add_model_args(p)
     add_job_args(p)

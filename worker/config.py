@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from protocol.endpoints import default_endpoint
 
 MODELS = ("bert", "gpt")
-STASHES = ("device",)
+STASHES = ("device", "host", "eps")
 
 
 @dataclass(kw_only=True)
@@ -60,7 +60,16 @@ class WorkerConfig:
     transport: str = "shm"
     """shm: tensors through shared memory (same box); frames: tensor bytes over ZeroMQ."""
     stash: str = "device"
-    """Where boundary activations live between forward and backward."""
+    """Where boundary activations live between forward and backward: device, host (pinned
+    host memory; the device itself on CPU) or eps (EPS-owned shared memory)."""
+    copy_weights: bool = False
+    """On CPU, copy each layer into worker buffers instead of reading shared memory in place
+    (what CUDA does; for tests and measurements)."""
+    trace: str = ""
+    """Write a Chrome/Perfetto trace of this worker here."""
+    overlap: bool = True
+    """L2Lp: prefetch the next layer and push gradients asynchronously. False runs the same
+    loop with every fetch and push waited for in turn (for comparison)."""
     threads: int = 1
     """torch intra-op threads of this process."""
     eps_timeout: float = 600.0

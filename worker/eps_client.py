@@ -21,8 +21,22 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol import codec
 from protocol.messages import (
-    PROTOCOL_VERSION, Ack, Bye, Error, Fetch, GradAck, Hello, InitLayer, LayerReady, Message,
-    PushGrad, Save, Status, StatusReply, Welcome)
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    Error,
+    Fetch,
+    GradAck,
+    Hello,
+    InitLayer,
+    LayerReady,
+    Message,
+    PushGrad,
+    Save,
+    Status,
+    StatusReply,
+    Welcome,
+)
 from protocol.tensors import Manifest
 
 log = logging.getLogger(__name__)

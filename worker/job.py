@@ -12,6 +12,7 @@ import torch
 
 from protocol.safetensors_io import write_safetensors
 from protocol.tensors import Layout, plan_layout, views
+from protocol.trace import Tracer
 
 from .config import ModelConfig, WorkerConfig
 from .data import Sharder, build_task
@@ -19,6 +20,8 @@ from .eps_client import EpsClient
 from .executor import Executor, StepResult
 from .memory import PeakMemory
 from .models import build_model
+from .sources import EpsSource
+from .transfer import layer_view
 
 log = logging.getLogger("l2l_worker")
 
@@ -43,18 +46,14 @@ def bootstrap(client: EpsClient, model, layout: Layout, layers) -> None:
         client.wait(fut)
 
 
-def save_model(client: EpsClient, transfer, layout: Layout, version: int, path: str,
+def save_model(client: EpsClient, regions, layout: Layout, version: int, path: str,
                metadata: dict) -> None:
     """Write the fp32 master at ``version`` as the assembled nn.Module's state dict."""
     tensors, keep = [], []
     for plan in layout.layers:
         ready, frames = client.wait(client.fetch(plan.index, version, which="master"))
-        keep.append(frames)
-        if frames:
-            flat = torch.frombuffer(frames[0], dtype=torch.float32)
-        else:
-            flat = transfer.regions[ready.region].tensor(torch.float32, ready.offset // 4,
-                                                         plan.numel)
+        keep.append(frames)  # frames must outlive the views written below
+        flat = layer_view(regions, plan, ready, frames)
         for slot, view in zip(plan.tensors, views(flat, plan)):
             tensors.append((f"{plan.name}.{slot.name}", view))
     write_safetensors(path, tensors, metadata)
@@ -71,9 +70,11 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
     layout = plan_layout(manifest)
     grad_dtype = "float32"
     client = EpsClient(cfg.endpoint, cfg.eps_timeout)
-    executor = welcome = None
+    source = welcome = None
+    tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
     results: list[StepResult] = []
     done = False
+    memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
     try:
         welcome = client.hello(rank=cfg.rank, world_size=cfg.world_size, manifest=manifest,
                                transport=cfg.transport, grad_dtype=grad_dtype,
@@ -85,8 +86,13 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
             bootstrap(client, model, layout, welcome.init_layers)
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
         sharder = Sharder(build_task(mcfg), cfg.micro_batch_size, cfg.global_micro_batches)
-        executor = Executor(cfg, mcfg, model, layout, sharder, client, welcome, grad_dtype)
-        memory = PeakMemory(device)
+        source = EpsSource(client, welcome, layout, rank=cfg.rank, device=device,
+                           transport=cfg.transport, grad_dtype=grad_dtype,
+                           timeout=cfg.eps_timeout, tracer=tracer, copy_weights=cfg.copy_weights,
+                           overlap=cfg.overlap)
+        executor = Executor(model, layout, source, sharder, device=device,
+                            micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
+                            dropout=mcfg.dropout, seed=mcfg.seed, stash=cfg.stash, tracer=tracer)
         t_start = time.perf_counter()
         for step in range(welcome.step, cfg.steps):
             r = executor.run_step(step)
@@ -97,16 +103,17 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
                       count=r.count, samples=r.samples, seconds=r.seconds)
         elapsed = time.perf_counter() - t_start
         peak = memory.value()
-        memory.close()
         if cfg.save and cfg.rank == 0:
-            save_model(client, executor.transfer, layout, cfg.steps, cfg.save,
+            save_model(client, source.regions, layout, cfg.steps, cfg.save,
                        {"format": "pt", "model_config": json.dumps(asdict(mcfg)),
                         "steps": str(cfg.steps)})
             log.info("rank 0: model saved to %s", cfg.save)
         done = True
     finally:
-        if executor is not None:
-            executor.close()
+        memory.close()
+        if source is not None:
+            source.close()
+        tracer.close()
         if welcome is not None:
             client.bye(cfg.rank, done=done)
         client.close()

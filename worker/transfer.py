@@ -1,17 +1,12 @@
-"""The worker's data plane: layer weights in, layer gradients out.
+"""The worker's view of the EPS's memory: mapped regions, layer views, gradient slots.
 
-Weights: the EPS answers a Fetch with a LayerReady naming where the layer's bytes are.
-- shm transport, CPU device: the weights are used in place, as read-only views of the EPS's
-  shared memory (the EPS never rewrites a version a worker may still read, see layer_store).
-- shm transport, CUDA device: one copy into a persistent device buffer (two buffers, so the
-  next layer can arrive while this one computes).
-- frames transport: the bytes arrived as a ZeroMQ frame; used in place (CPU) or copied.
-
-Gradients: ``grad_slots`` buffers in a ring. A slot is taken before a layer's backward, filled
-with the layer's gradient summed over micro-batches, pushed, and given back when the EPS acks
-it (it has been reduced). With shm on CPU a slot *is* the EPS's shared-memory slot, so the
-gradient is accumulated straight into it; otherwise it is a local buffer that is copied (CUDA,
-into the shared slot) or sent as a frame.
+- Weights: a LayerReady names a region and offset (shm) or carries the bytes (frames);
+  ``layer_view`` returns a tensor over them, checked against the layer's plan.
+- Gradient slots: ``grad_slots`` slots of the largest layer's size in the rank's region; a slot
+  is taken before a layer's backward and given back when the EPS acks the push (it has been
+  reduced). ``SlotRing`` hands them out.
+- On CUDA every mapping is registered as pinned memory once (cudaHostRegister), so host<->device
+  copies from and into the EPS's shared memory are asynchronous DMA.
 """
 
 from __future__ import annotations
@@ -21,129 +16,104 @@ import warnings
 
 import torch
 
-from protocol.messages import LayerReady, Welcome
+from protocol.messages import LayerReady, RegionInfo, Welcome
 from protocol.shm import Region
-from protocol.tensors import DTYPES, Layout, LayerPlan
+from protocol.tensors import DTYPES, LayerPlan, Layout
+
+from .streams import register_host, unregister_host
 
 
-def _frombuffer(buf, dtype: torch.dtype) -> torch.Tensor:
+def frombuffer(buf, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers are never written
         return torch.frombuffer(buf, dtype=dtype)
 
 
-class Transfer:
-    def __init__(self, welcome: Welcome, layout: Layout, device: torch.device, transport: str,
-                 grad_dtype: str):
-        self.layout = layout
-        self.device = device
-        self.transport = transport
-        self.compute_dtype = DTYPES[welcome.compute_dtype]
-        self.grad_dtype_name = grad_dtype
-        self.grad_dtype = DTYPES[grad_dtype]
-        self.regions: dict[str, Region] = {}
-        self._in_place = device.type == "cpu"
-        if transport == "shm":
-            for info in (welcome.master, welcome.compute):
-                if info is not None:
-                    self.regions[info.name] = Region.attach(info.name, info.nbytes,
-                                                            writable=False)
-        # Weight buffers on the device, used in turn (CUDA, or frames that must be copied).
-        n = layout.max_layer_numel
-        self._weight_bufs = ([] if self._in_place else
-                             [torch.empty(n, dtype=self.compute_dtype, device=device)
-                              for _ in range(2)])
-        self._next_buf = 0
-        # Gradient slots.
-        self.slots = welcome.grad_slots
-        self._shared_grads: Region | None = None
-        if transport == "shm":
-            g = welcome.grads
-            self._shared_grads = Region.attach(g.name, g.nbytes, writable=True)
-        self._local_grads = (
-            [] if (self._shared_grads is not None and self._in_place) else
-            [torch.empty(n, dtype=self.grad_dtype, device=device) for _ in range(self.slots)])
+class Regions:
+    """The EPS regions this worker maps (read-only weights, read-write slots and stash)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._regions: dict[str, Region] = {}
+        self._pinned: list[torch.Tensor] = []
+
+    def attach(self, info: RegionInfo, writable: bool) -> Region:
+        region = self._regions.get(info.name)
+        if region is None:
+            region = Region.attach(info.name, info.nbytes, writable=writable)
+            self._regions[info.name] = region
+            if self.pin and region.nbytes and register_host(region.base, read_only=not writable):
+                self._pinned.append(region.base)
+        return region
+
+    def get(self, name: str) -> Region:
+        region = self._regions.get(name)
+        if region is None:
+            raise RuntimeError(f"the EPS named an unknown region {name!r}")
+        return region
+
+    def close(self) -> None:
+        for base in self._pinned:
+            unregister_host(base)
+        self._pinned.clear()
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
+
+
+def layer_view(regions: Regions, plan: LayerPlan, ready: LayerReady, frames) -> torch.Tensor:
+    """The layer's flat bytes, as a CPU tensor over shared memory or the received frame."""
+    if ready.layer != plan.index:
+        raise RuntimeError(f"asked for layer {plan.index}, got {ready.layer}")
+    dtype = DTYPES[ready.dtype]
+    if ready.nbytes != plan.numel * dtype.itemsize:
+        raise RuntimeError(f"layer {plan.index}: {ready.nbytes} bytes, expected "
+                           f"{plan.numel * dtype.itemsize}")
+    if frames:
+        return frombuffer(frames[0], dtype)
+    if ready.offset % dtype.itemsize:
+        raise RuntimeError(f"misaligned offset {ready.offset}")
+    return regions.get(ready.region).tensor(dtype, ready.offset // dtype.itemsize, plan.numel)
+
+
+class SlotRing:
+    """Gradient slots: indices handed out and given back (from the client's I/O thread)."""
+
+    def __init__(self, slots: int):
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for s in range(self.slots):
+        for s in range(slots):
             self._free.put(s)
-        self._gaps: dict[int, list[tuple[int, int]]] = {}
 
-    # ------------------------------------------------------------------------- weights
-
-    def weights(self, plan: LayerPlan, ready: LayerReady, frames) -> torch.Tensor:
-        """The layer's flat weights on the compute device (see module doc)."""
-        if ready.layer != plan.index:
-            raise RuntimeError(f"asked for layer {plan.index}, got {ready.layer}")
-        dtype = DTYPES[ready.dtype]
-        if ready.nbytes != plan.numel * dtype.itemsize:
-            raise RuntimeError(f"layer {plan.index}: {ready.nbytes} bytes, expected "
-                               f"{plan.numel * dtype.itemsize}")
-        if frames:
-            src = _frombuffer(frames[0], dtype)
-        else:
-            region = self.regions.get(ready.region)
-            if region is None:
-                raise RuntimeError(f"LayerReady names unknown region {ready.region!r}")
-            if ready.offset % dtype.itemsize:
-                raise RuntimeError(f"misaligned offset {ready.offset}")
-            src = region.tensor(dtype, ready.offset // dtype.itemsize, plan.numel)
-        if self._in_place:
-            return src
-        buf = self._weight_bufs[self._next_buf][:plan.numel]
-        self._next_buf ^= 1
-        buf.copy_(src)
-        return buf
-
-    # ------------------------------------------------------------------------- gradients
-
-    def acquire_slot(self, timeout: float) -> int:
+    def acquire(self, timeout: float) -> int:
         try:
             return self._free.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no gradient slot acknowledged by the EPS within {timeout:.0f} s"
                                ) from None
 
-    def release_slot(self, slot: int) -> None:
+    def release(self, slot: int) -> None:
         self._free.put(slot)
 
-    def grad_buffer(self, slot: int, plan: LayerPlan) -> torch.Tensor:
-        """Where this layer's gradient is accumulated (flat, the layer's layout)."""
-        if self._local_grads:
-            return self._local_grads[slot][:plan.numel]
-        return self._shared_slot(slot, plan)
 
-    def _shared_slot(self, slot: int, plan: LayerPlan) -> torch.Tensor:
-        return self._shared_grads.tensor(self.grad_dtype, slot * self.layout.max_layer_numel,
-                                         plan.numel)
+class GradSlots:
+    """The rank's gradient-slot region (shm transport): slot s holds a layer's flat gradient."""
 
-    def zero_gaps(self, buf: torch.Tensor, plan: LayerPlan) -> None:
-        """Zero the alignment padding of a gradient buffer (it may hold another layer's data),
-        so padding stays zero on the EPS."""
-        gaps = self._gaps.get(plan.index)
-        if gaps is None:
-            gaps, pos = [], 0
-            for s in sorted(plan.tensors, key=lambda s: s.offset):
-                if s.offset > pos:
-                    gaps.append((pos, s.offset))
-                pos = s.offset + s.numel
-            if pos < plan.numel:
-                gaps.append((pos, plan.numel))
-            self._gaps[plan.index] = gaps
-        for start, end in gaps:
-            buf[start:end].zero_()
+    def __init__(self, regions: Regions, welcome: Welcome, layout: Layout, dtype: torch.dtype):
+        self.region = regions.attach(welcome.grads, writable=True)
+        self.stride = layout.max_layer_numel
+        self.dtype = dtype
 
-    def outgoing(self, slot: int, plan: LayerPlan, buf: torch.Tensor):
-        """Make the accumulated gradient visible to the EPS: returns the frame to send (frames
-        transport) or None (it is in the shared slot)."""
-        if self.transport == "frames":
-            host = buf if buf.device.type == "cpu" else buf.cpu()
-            return host.view(torch.uint8).numpy().data
-        if self._local_grads:  # device buffer -> shared slot
-            self._shared_slot(slot, plan).copy_(buf)
-        return None
+    def slot(self, slot: int, plan: LayerPlan) -> torch.Tensor:
+        return self.region.tensor(self.dtype, slot * self.stride, plan.numel)
 
-    def close(self) -> None:
-        for region in self.regions.values():
-            region.close()
-        if self._shared_grads is not None:
-            self._shared_grads.close()
+
+def padding_gaps(plan: LayerPlan) -> list[tuple[int, int]]:
+    """[start, end) element spans of a layer's flat buffer that hold no tensor."""
+    gaps, pos = [], 0
+    for s in sorted(plan.tensors, key=lambda s: s.offset):
+        if s.offset > pos:
+            gaps.append((pos, s.offset))
+        pos = s.offset + s.numel
+    if pos < plan.numel:
+        gaps.append((pos, plan.numel))
+    return gaps

@@ -1,0 +1,53 @@
+"""Benchmarks: each prints a side-by-side table with ratios against a baseline measured in the
+same run, checks its targets, and writes JSON.
+
+    python -m bench NAME [--json PATH] [options]      NAME: see below, or "all" (not scale)
+    python -m bench NAME --help                        options of one benchmark
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import memory, scale, speed, transfer
+
+BENCHMARKS = {
+    "throughput": (speed.add_args, speed.throughput),
+    "overlap": (speed.add_args, speed.overlap),
+    "innerloop": (speed.add_args, speed.innerloop),
+    "memory": (memory.add_args, memory.memory),
+    "transfer": (transfer.add_args, transfer.transfer),
+    "scale": (scale.add_args, scale.scale),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    names = list(BENCHMARKS) + ["all"]
+    if not argv or argv[0] not in names:
+        print(__doc__ + "\nbenchmarks: " + ", ".join(names), file=sys.stderr)
+        return 2
+    from .common import report
+
+    name, rest = argv[0], argv[1:]
+    todo = [n for n in BENCHMARKS if n != "scale"] if name == "all" else [name]
+    misses = 0
+    for n in todo:
+        add_args, run = BENCHMARKS[n]
+        p = argparse.ArgumentParser(prog=f"python -m bench {n}",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--json", default="", help="write the results here"
+                       + (" (NAME is appended for 'all')" if name == "all" else ""))
+        add_args(p)
+        a, _ = p.parse_known_args(rest) if name == "all" else (p.parse_args(rest), None)
+        path = a.json.replace(".json", f"-{n}.json") if name == "all" and a.json else a.json
+        result = run(a)
+        report(result, path or None)
+        misses += sum(not t["ok"] for t in result["targets"])
+        print()
+    return 0 if misses == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

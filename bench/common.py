@@ -1,0 +1,94 @@
+"""Shared pieces of the benchmarks: running L2L jobs, timing, tables, JSON.
+
+Every figure a benchmark reports is a ratio against a baseline measured in the same run, side
+by side (these machines are noisy); times are medians over steady-state steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "platform": platform.platform(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), server=(),
+            timeout: float = 3600) -> dict:
+    """Run ``l2l-launch`` (real processes) and return its summary (with per-worker
+    ``step_seconds`` and ``peak_memory_bytes``)."""
+    with tempfile.TemporaryDirectory(prefix="l2l-bench-") as tmp:
+        summary = os.path.join(tmp, "summary.json")
+        argv = [sys.executable, "-m", "launch", "--quiet", "--workers", str(workers),
+                "--steps", str(steps), "--summary-json", summary, *model_args, *extra, *server]
+        p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"l2l-launch failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        with open(summary) as f:
+            return json.load(f)
+
+
+def steady_step_seconds(summary: dict, warmup: int) -> float:
+    """Median step time after ``warmup`` steps, slowest worker per step."""
+    per_worker = [w["step_seconds"][warmup:] for w in summary["workers"]]
+    return median([max(steps) for steps in zip(*per_worker)])
+
+
+def timed_steps(step_fn, steps: int, warmup: int) -> float:
+    """Median seconds of ``step_fn(i)`` over ``steps`` calls after ``warmup`` calls."""
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step_fn(i)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def table(title: str, headers: list[str], rows: list[list]) -> str:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [title, line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                      enumerate(zip(row, widths))) for row in cells]
+    return "\n".join(out)
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        return f"{c:,.3f}" if abs(c) < 100 else f"{c:,.0f}"
+    return str(c)
+
+
+def check(name: str, value: float, op: str, target: float) -> dict:
+    ok = value >= target if op == ">=" else value <= target
+    return {"name": name, "value": round(value, 4), "target": f"{op} {target}", "ok": ok}
+
+
+def report(result: dict, path: str | None) -> None:
+    print(result.get("table", ""))
+    for t in result.get("targets", []):
+        mark = "PASS" if t["ok"] else "MISS"
+        print(f"  [{mark}] {t['name']}: {t['value']} (target {t['target']})")
+    if path:
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in result.items() if k != "table"} | {"machine": machine()},
+                      f, indent=1)

@@ -1,0 +1,85 @@
+"""In-process baselines: plain resident training, resident with per-layer activation
+checkpointing, and the *same* L2L executor with every weight already local and the optimizer
+run in-process (``LocalSource``) — the reference that isolates L2Lp's exposed overhead."""
+
+from __future__ import annotations
+
+import torch
+
+from eps_server.config import OptimizerConfig
+from eps_server.optimizers import LayerOptimizer
+from protocol.tensors import LayerPlan, Layout, plan_layout
+from worker.config import ModelConfig
+from worker.data import Sharder, build_task
+from worker.executor import Executor
+from worker.models import build_model
+from worker.models.base import param_group
+
+from .common import timed_steps
+
+
+class LocalSource:
+    """A layer source with all weights resident and the optimizer run in-process, right after
+    each layer's backward (the same eager per-layer update as the EPS, without overlap)."""
+
+    def __init__(self, model, layout: Layout, opt: OptimizerConfig):
+        self.flats = [model.init_flat(p.index, p) for p in layout.layers]
+        self.grads = [torch.zeros(p.numel) for p in layout.layers]
+        self.opts = [LayerOptimizer(p, f, g, opt) for p, f, g in
+                     zip(layout.layers, self.flats, self.grads)]
+        self.lr = opt.lr
+
+    def prefetch(self, layer: int, version: int) -> None:
+        pass
+
+    def weights(self, layer: int, version: int) -> torch.Tensor:
+        return self.flats[layer]
+
+    def release(self, layer: int, version: int) -> None:
+        pass
+
+    def grad_buffer(self, plan: LayerPlan):
+        return 0, self.grads[plan.index]  # padding is never written: stays zero
+
+    def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
+        self.opts[plan.index].step(self.lr)
+
+    def drain(self) -> None:
+        pass
+
+    def stash_arena(self, nbytes: int):
+        raise RuntimeError("the local baseline has no EPS stash")
+
+
+def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
+                           steps: int, warmup: int, lr: float = 1e-3) -> float:
+    model = build_model(mcfg)
+    layout = plan_layout(model.manifest())
+    source = LocalSource(model, layout, OptimizerConfig(lr=lr))
+    sharder = Sharder(build_task(mcfg), batch_size, micro_batches)
+    ex = Executor(model, layout, source, sharder, device=torch.device("cpu"),
+                  micro_batches=range(micro_batches), steps=warmup + steps,
+                  dropout=mcfg.dropout, seed=mcfg.seed)
+    return timed_steps(ex.run_step, steps, warmup)
+
+
+def resident_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
+                          steps: int, warmup: int, checkpoint: bool, lr: float = 1e-3) -> float:
+    """All layers resident, gradient accumulation over the micro-batches, fused AdamW."""
+    net = build_model(mcfg).assemble().train()
+    groups: dict[str, list] = {"decay": [], "no_decay": []}
+    for name, p in net.named_parameters():
+        groups[param_group(name, p)].append(p)
+    opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": 0.01},
+                             {"params": groups["no_decay"], "weight_decay": 0.0}],
+                            lr=lr, fused=True)
+    sharder = Sharder(build_task(mcfg), batch_size, micro_batches)
+
+    def step(i: int) -> None:
+        opt.zero_grad(set_to_none=False)
+        for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
+            loss, _ = net(batch, rng=(mcfg.seed, i, index), checkpoint=checkpoint)
+            loss.backward()
+        opt.step()
+
+    return timed_steps(step, steps, warmup)

@@ -1,0 +1,116 @@
+"""Speed of L2L against baselines, side by side in one run.
+
+throughput  L2L (eps-server + 1 worker) vs the same model fully resident with gradient
+            accumulation, and resident with per-layer activation checkpointing (the same
+            recompute L2L does). Same samples per step, 1 compute thread each.
+overlap     exposed overhead = L2L step time / step time of the same L2L loop with all weights
+            already local and the optimizer run in-process, minus 1; also without L2Lp overlap.
+innerloop   L2L throughput for u = 1, 2, 4, 8 micro-batches per layer visit.
+
+Note on threads: every configuration computes on one torch thread; in L2L the EPS runs the
+optimizer in its own process (one more thread), as it would beside a GPU worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from worker.config import ModelConfig
+
+from .common import check, l2l_job, steady_step_seconds, table
+from .local import local_l2l_step_seconds, resident_step_seconds
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="bert")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every configuration's compute (worker or baseline)")
+
+
+def model_cfg(a) -> ModelConfig:
+    return ModelConfig(model=a.model, layers=a.layers, hidden=a.hidden, heads=a.heads,
+                       seq_len=a.seq_len, vocab=1024, dropout=0.1)
+
+
+def model_argv(a, micro_batches: int) -> list[str]:
+    return ["--model", a.model, "--layers", str(a.layers), "--hidden", str(a.hidden),
+            "--heads", str(a.heads), "--seq-len", str(a.seq_len), "--vocab", "1024",
+            "--micro-batch-size", str(a.micro_batch_size), "--micro-batches",
+            str(micro_batches), "--threads", str(a.threads)]
+
+
+def l2l_seconds(a, micro_batches: int, extra=()) -> float:
+    s = l2l_job(model_argv(a, micro_batches), steps=a.warmup + a.steps, extra=extra)
+    return steady_step_seconds(s, a.warmup)
+
+
+def throughput(a) -> dict:
+    torch.set_num_threads(a.threads)
+    m, u, b = model_cfg(a), a.micro_batches, a.micro_batch_size
+    samples = u * b
+    plain = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
+                                  warmup=a.warmup, checkpoint=False)
+    ckpt = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
+                                 warmup=a.warmup, checkpoint=True)
+    l2l = l2l_seconds(a, u)
+    rows = [["resident (plain)", plain, samples / plain, 1.0],
+            ["resident + activation checkpointing", ckpt, samples / ckpt, plain / ckpt],
+            ["L2L (eps-server + 1 worker)", l2l, samples / l2l, plain / l2l]]
+    return {
+        "table": table(f"throughput: {a.model} L={a.layers} H={a.hidden} T={a.seq_len} "
+                       f"u={u} B={b}", ["config", "s/step", "samples/s", "vs plain"], rows),
+        "step_seconds": {"resident": plain, "resident_checkpointed": ckpt, "l2l": l2l},
+        "ratios": {"l2l_vs_checkpointed": ckpt / l2l, "l2l_vs_resident": plain / l2l},
+        "targets": [check("L2L / checkpointed resident throughput", ckpt / l2l, ">=", 0.95),
+                    check("L2L / plain resident throughput", plain / l2l, ">=", 0.72)],
+    }
+
+
+def overlap(a) -> dict:
+    torch.set_num_threads(a.threads)
+    m, u, b = model_cfg(a), a.micro_batches, a.micro_batch_size
+    local = local_l2l_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
+                                   warmup=a.warmup)
+    l2lp = l2l_seconds(a, u)
+    sync = l2l_seconds(a, u, extra=["--no-overlap"])
+    rows = [["same loop, weights local, optimizer in-process", local, 0.0],
+            ["L2Lp (EPS, prefetch + async push, eager update)", l2lp, l2lp / local - 1],
+            ["L2L without overlap (every fetch and push waited)", sync, sync / local - 1]]
+    return {
+        "table": table(f"overlap: {a.model} L={a.layers} H={a.hidden} u={u} B={b}",
+                       ["config", "s/step", "exposed overhead"], rows),
+        "step_seconds": {"local": local, "l2lp": l2lp, "no_overlap": sync},
+        "ratios": {"exposed_overhead": l2lp / local - 1,
+                   "exposed_overhead_no_overlap": sync / local - 1},
+        "targets": [check("exposed overhead (u >= 4)", l2lp / local - 1, "<=", 0.10)],
+    }
+
+
+def innerloop(a) -> dict:
+    torch.set_num_threads(a.threads)
+    m, b = model_cfg(a), a.micro_batch_size
+    rows, out = [], {}
+    for u in (1, 2, 4, 8):
+        l2l = l2l_seconds(a, u)
+        plain = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
+                                      warmup=a.warmup, checkpoint=False)
+        out[u] = {"l2l_samples_per_sec": u * b / l2l, "resident_samples_per_sec": u * b / plain}
+        rows.append([u, u * b / l2l, u * b / plain, plain / l2l])
+    return {
+        "table": table(f"innerloop: {a.model} L={a.layers} H={a.hidden} B={b}",
+                       ["u", "L2L samples/s", "resident samples/s", "L2L / resident"], rows),
+        "by_micro_batches": out,
+        "ratios": {f"l2l_vs_resident_u{u}": v["l2l_samples_per_sec"] /
+                   v["resident_samples_per_sec"] for u, v in out.items()},
+        "targets": [],
+    }

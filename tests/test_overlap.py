@@ -1,0 +1,136 @@
+"""L2Lp overlap, stash placements and the copy path change nothing in the results; the trace
+shows the overlap; the in-process baseline of the overlap benchmark is itself exact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench.local import LocalSource
+from eps_server.config import OptimizerConfig
+from protocol.shm import Region, unlink_prefix
+from protocol.tensors import plan_layout
+from worker.config import ModelConfig
+from worker.data import Sharder, build_task
+from worker.executor import Executor
+from worker.models import build_model
+from worker.stash import EpsStash
+from worker.streams import Streams
+
+from .baseline import assert_close, train_resident
+from .helpers import ENV, SMALL
+
+VARIANTS = {
+    "stash eps": ["--stash", "eps"],
+    "stash host": ["--stash", "host"],
+    "copy weights": ["--copy-weights"],
+    "no overlap": ["--no-overlap"],
+    "frames": ["--transport", "frames"],
+    "frames, copy": ["--transport", "frames", "--copy-weights"],
+    "frames, stash eps": ["--transport", "frames", "--stash", "eps"],
+    "frames, copy, stash eps": ["--transport", "frames", "--copy-weights", "--stash", "eps"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Weights after 4 steps of the default path: 2 workers, overlap, device stash."""
+    from .helpers import Cluster
+
+    tmp = tmp_path_factory.mktemp("ref")
+    c = Cluster(tmp)
+    try:
+        c.run_job(2, *SMALL, "--steps", "4", "--micro-batches", "2",
+                  "--save", str(tmp / "m.safetensors"))
+    finally:
+        c.close()
+    return load_file(str(tmp / "m.safetensors"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_is_bitwise_identical(cluster, tmp_path, reference, variant):
+    out = tmp_path / "m.safetensors"
+    cluster.run_job(2, *SMALL, "--steps", "4", "--micro-batches", "2", "--save", str(out),
+                    *VARIANTS[variant])
+    got = load_file(str(out))
+    assert set(got) == set(reference)
+    for name in reference:
+        assert torch.equal(got[name], reference[name]), f"{variant}: {name} differs"
+    assert not cluster.leftover_regions()  # the stash arena is the EPS's and goes with it
+
+
+def test_eps_stash_lives_in_the_arena():
+    name = "l2l-test-arena"
+    unlink_prefix(name)
+    regions = []
+
+    class Source:
+        def stash_arena(self, nbytes):
+            regions.append(Region.create(name, nbytes))
+            return regions[-1]
+
+    try:
+        stash = EpsStash(Source(), Streams(torch.device("cpu")), layers=3, micro_batches=2)
+        xs = {(layer, i): torch.randn(8, 8) for layer in (1, 2, 3) for i in (0, 1)}
+        for (layer, i), x in xs.items():
+            kept = stash.put(layer, i, x)
+            assert torch.equal(kept, x)
+            assert kept.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert regions[0].nbytes == 3 * 2 * 8 * 8 * 4  # sized for the whole depth at once
+        for key, x in xs.items():
+            assert torch.equal(stash.pop(*key), x)
+        with pytest.raises(RuntimeError, match="exceeds"):
+            stash.put(1, 0, torch.randn(9, 8))
+    finally:
+        for r in regions:
+            r.unlink()
+            r.close()
+
+
+def test_local_baseline_is_plain_training():
+    """The overlap benchmark's reference (same executor, weights local, optimizer in-process)
+    trains exactly like plain PyTorch: the benchmark compares like with like."""
+    cfg = ModelConfig(model="gpt", layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
+    model = build_model(cfg)
+    layout = plan_layout(model.manifest())
+    source = LocalSource(model, layout, OptimizerConfig(lr=1e-3))
+    ex = Executor(model, layout, source, Sharder(build_task(cfg), 4, 2),
+                  device=torch.device("cpu"), micro_batches=range(2), steps=3,
+                  dropout=cfg.dropout, seed=cfg.seed)
+    for step in range(3):
+        ex.run_step(step)
+    got = {}
+    for plan, flat in zip(layout.layers, source.flats):
+        for slot in plan.tensors:
+            got[f"{plan.name}.{slot.name}"] = flat[slot.offset:slot.offset + slot.numel].view(
+                slot.shape)
+    want = train_resident(cfg, steps=3, global_micro_batches=2, batch_size=4)
+    assert_close(got, want)
+
+
+def test_trace_shows_worker_and_eps_spans(tmp_path):
+    trace = tmp_path / "trace.json"
+    p = subprocess.run([sys.executable, "-m", "launch", "--quiet", "--workers", "2",
+                        "--steps", "3", *SMALL, "--trace", str(trace),
+                        "--endpoint", f"ipc://{tmp_path}/eps.sock"],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    cats = {e["cat"] for e in spans}
+    assert {"forward", "backward", "wait", "reduce", "update"} <= cats
+    processes = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert processes == {"eps-server", "l2l-worker 0", "l2l-worker 1"}
+    layers = len(plan_layout(build_model(ModelConfig(layers=2)).manifest()).layers)
+    updates = [e for e in spans if e["cat"] == "update"]
+    assert len(updates) == 3 * layers  # one eager update per layer per step
+    png = tmp_path / "timeline.png"
+    r = subprocess.run([sys.executable, "-m", "bench.timeline", str(trace), "--png", str(png)],
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
