@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from eps_server.config import OptimizerConfig
-from eps_server.optimizers import LayerOptimizer
+from eps_server.optimizers import make_optimizer
 from protocol.tensors import LayerPlan, Layout, plan_layout
 from worker.config import ModelConfig
 from worker.data import Sharder, build_task
@@ -25,7 +25,7 @@ class LocalSource:
     def __init__(self, model, layout: Layout, opt: OptimizerConfig):
         self.flats = [model.init_flat(p.index, p) for p in layout.layers]
         self.grads = [torch.zeros(p.numel) for p in layout.layers]
-        self.opts = [LayerOptimizer(p, f, g, opt) for p, f, g in
+        self.opts = [make_optimizer(p, f, g, None, opt) for p, f, g in
                      zip(layout.layers, self.flats, self.grads)]
         self.lr = opt.lr
 
@@ -42,10 +42,13 @@ class LocalSource:
         return 0, self.grads[plan.index]  # padding is never written: stays zero
 
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
-        self.opts[plan.index].step(self.lr)
+        self.opts[plan.index].step(step, lr=self.lr)
 
     def drain(self) -> None:
         pass
+
+    def loss_scale(self, version: int) -> float:
+        return 1.0
 
     def stash_arena(self, nbytes: int):
         raise RuntimeError("the local baseline has no EPS stash")

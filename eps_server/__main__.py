@@ -17,25 +17,73 @@ import uvloop
 
 from protocol.lifecycle import die_with_parent
 
-from .config import OPTIMIZERS, PRECISIONS, OptimizerConfig, ServerConfig
+from .config import OPTIMIZERS, PRECISIONS, UPDATES, OptimizerConfig, ServerConfig
+from .schedules import SCHEDULES
 from .server import EpsServer
+
+# (flag, OptimizerConfig field, type): the optimizer options, shared with l2l-launch.
+OPTIMIZER_FLAGS = [("--lr", "lr", float), ("--weight-decay", "weight_decay", float),
+                   ("--beta1", "beta1", float), ("--beta2", "beta2", float),
+                   ("--adam-eps", "eps", float), ("--momentum", "momentum", float),
+                   ("--lr-schedule", "schedule", str), ("--warmup-steps", "warmup_steps", int),
+                   ("--total-steps", "total_steps", int),
+                   ("--min-lr-ratio", "min_lr_ratio", float),
+                   ("--clip-norm", "clip_norm", float)]
+# (flag, ServerConfig field, type): update semantics, shared with l2l-launch.
+UPDATE_FLAGS = [("--update", "update", str), ("--loss-scale", "loss_scale", float),
+                ("--loss-scale-window", "loss_scale_window", int)]
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
-    d = OptimizerConfig()
-    g = p.add_argument_group("optimizer (run by the EPS)")
+    d, s = OptimizerConfig(), ServerConfig()
+    g = p.add_argument_group("optimizer and updates (run by the EPS)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.name)
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--beta1", type=float, default=d.beta1)
-    g.add_argument("--beta2", type=float, default=d.beta2)
-    g.add_argument("--adam-eps", type=float, default=d.eps)
-    g.add_argument("--momentum", type=float, default=d.momentum)
+    for flag, name, typ in OPTIMIZER_FLAGS:
+        extra = {"choices": SCHEDULES} if name == "schedule" else {}
+        g.add_argument(flag, dest=name if name != "eps" else "adam_eps", type=typ,
+                       default=getattr(d, name), help=_doc(OptimizerConfig, name), **extra)
+    for flag, name, typ in UPDATE_FLAGS:
+        extra = {"choices": UPDATES} if name == "update" else {}
+        g.add_argument(flag, dest=name, type=typ, default=getattr(s, name),
+                       help=_doc(ServerConfig, name), **extra)
+
+
+def _doc(cls, name: str) -> str:
+    """--help text of a config field (the dataclasses document each field)."""
+    return FIELD_HELP.get((cls.__name__, name), "")
+
+
+FIELD_HELP = {
+    ("OptimizerConfig", "lr"): "base learning rate",
+    ("OptimizerConfig", "weight_decay"): "decoupled (AdamW, LAMB) or L2 (SGD) weight decay; "
+                                         "biases and norms get none",
+    ("OptimizerConfig", "momentum"): "SGD momentum",
+    ("OptimizerConfig", "schedule"): "after warm-up: constant, linear or cosine decay",
+    ("OptimizerConfig", "warmup_steps"): "linear warm-up over this many updates",
+    ("OptimizerConfig", "total_steps"): "where the decay reaches --min-lr-ratio",
+    ("OptimizerConfig", "min_lr_ratio"): "decay floor as a fraction of --lr",
+    ("OptimizerConfig", "clip_norm"): "clip gradients to this norm (0: off): per layer with "
+                                      "eager updates, globally with deferred ones",
+    ("ServerConfig", "update"): "eager: update each layer as soon as it is reduced (overlap); "
+                                "deferred: after the whole step (exact global clipping and "
+                                "fp16 overflow skips)",
+    ("ServerConfig", "loss_scale"): "fp16: initial dynamic loss scale",
+    ("ServerConfig", "loss_scale_window"): "fp16: double the scale after this many clean steps",
+}
 
 
 def optimizer_config(a: argparse.Namespace) -> OptimizerConfig:
-    return OptimizerConfig(name=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
-                           beta1=a.beta1, beta2=a.beta2, eps=a.adam_eps, momentum=a.momentum)
+    return OptimizerConfig(name=a.optimizer, **{
+        name: getattr(a, "adam_eps" if name == "eps" else name)
+        for _, name, _ in OPTIMIZER_FLAGS})
+
+
+def optimizer_argv(a: argparse.Namespace) -> list[str]:
+    """The optimizer and update options of ``a`` as eps-server arguments (for l2l-launch)."""
+    out = ["--optimizer", a.optimizer]
+    for flag, name, _ in OPTIMIZER_FLAGS + UPDATE_FLAGS:
+        out += [flag, str(getattr(a, "adam_eps" if name == "eps" else name))]
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -72,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                            optimizer=optimizer_config(a), threads=a.server_threads,
                            grad_slots=a.grad_slots, run_id=a.run_id, load=a.load, save=a.save,
                            checkpoint_every=a.checkpoint_every, exit_when_done=a.exit_when_done,
-                           trace=a.trace)
+                           trace=a.trace, update=a.update, loss_scale=a.loss_scale,
+                           loss_scale_window=a.loss_scale_window)
     except ValueError as e:
         print(f"eps-server: {e}", file=sys.stderr)
         return 2

@@ -1,68 +1,165 @@
-"""Per-layer optimizers on flat fp32 buffers.
+"""Per-layer optimizers on flat fp32 buffers: AdamW (torch's fused kernel), LAMB, SGD.
 
-Each layer gets its own torch optimizer over (at most) two flat parameters, the "decay" and the
-"no_decay" spans of its master (see protocol.tensors: each group is contiguous), with the
-reducer's accumulator spans as their ``.grad``. So one fused kernel call updates a whole group,
-and there is no Python loop over the model's tensors on the hot path.
+Each layer's master, reduced gradient, optimizer state and (with bf16/fp16) compute copy share
+the flat layout of protocol.tensors, where each optimizer group ("decay", "no_decay") is one
+contiguous span. So an update is a few calls over whole spans, never a Python loop over the
+model's tensors. State is created explicitly (zeros) when the optimizer is built, as a fresh
+torch optimizer would have it, in the EPS process.
 
-State (exp_avg, exp_avg_sq, step) is allocated by torch on the first step, in this process:
-zeros, exactly as a fresh torch optimizer would (no warm-up step on zero gradients).
+``cfg`` is read once per step, so the server may swap it (runtime hyperparameter changes)
+between steps. ``step(t, lr, grad_scale)``: apply update t (0-based) with learning rate ``lr``
+to the gradient divided by ``grad_scale`` (the fp16 loss scale and the clipping coefficient,
+folded into one number), and refresh the compute copy:
+- AdamW runs torch's fused kernel chunk by chunk and writes each chunk's compute copy while the
+  chunk is still in cache (one sweep over memory instead of two);
+- LAMB and SGD update whole spans, then copy (a second, cheaper sweep).
 """
 
 from __future__ import annotations
 
 import torch
 
-from protocol.tensors import LayerPlan
+from protocol.tensors import LayerPlan, views
 
 from .config import OptimizerConfig
+
+CHUNK = 1 << 16  # elements: p, g, m, v of a chunk (1 MiB) stay in L2 for the compute copy
 
 
 class LayerOptimizer:
     def __init__(self, plan: LayerPlan, master: torch.Tensor, grad: torch.Tensor,
-                 cfg: OptimizerConfig):
-        self.plan = plan
-        self.cfg = cfg
-        groups = []
-        for group, (start, end) in plan.groups.items():
-            param = master[start:end]
-            param.grad = grad[start:end]
-            groups.append({"params": [param],
-                           "weight_decay": cfg.weight_decay if group == "decay" else 0.0})
-        self.params = [g["params"][0] for g in groups]
-        if cfg.name == "adamw":
-            self.opt: torch.optim.Optimizer = torch.optim.AdamW(
-                groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
-        else:
-            self.opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+                 compute: torch.Tensor | None, cfg: OptimizerConfig):
+        self.plan, self.master, self.grad, self.compute, self.cfg = (
+            plan, master, grad, compute, cfg)
+        self.spans = [(group, start, end) for group, (start, end) in plan.groups.items()]
 
-    def step(self, lr: float) -> None:
-        """One update of this layer from its reduced gradient (math thread)."""
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
+    def decay(self, group: str, cfg: OptimizerConfig | None = None) -> float:
+        return (cfg or self.cfg).weight_decay if group == "decay" else 0.0
 
-    # -- checkpoints ------------------------------------------------------------------------
+    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
+        raise NotImplementedError
+
+    def publish(self) -> None:
+        if self.compute is not None:
+            self.compute.copy_(self.master)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Flat name -> tensor map of this layer's optimizer state (for checkpoints)."""
-        out = {}
-        for i, p in enumerate(self.params):
-            for key, value in self.opt.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"{i}.{key}"] = value
-        return out
+        return {}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        for i, p in enumerate(self.params):
-            state = {}
-            prefix = f"{i}."
-            for name, value in tensors.items():
-                if name.startswith(prefix):
-                    key = name[len(prefix):]
-                    if key != "step" and value.shape != p.shape:
-                        raise ValueError(f"optimizer state {name} of layer {self.plan.name} has "
-                                         f"shape {tuple(value.shape)}, expected {tuple(p.shape)}")
-                    state[key] = value.clone()
-            if state:
-                self.opt.state[p] = state
+        for name, t in self.state_tensors().items():
+            if name not in tensors:
+                raise ValueError(f"optimizer state {name!r} of layer {self.plan.name} missing")
+            if tensors[name].shape != t.shape:
+                raise ValueError(f"optimizer state {name!r} of layer {self.plan.name} has shape "
+                                 f"{tuple(tensors[name].shape)}, expected {tuple(t.shape)}")
+            t.copy_(tensors[name])
+
+
+class AdamW(LayerOptimizer):
+    """torch.optim.AdamW semantics (decoupled weight decay, bias correction), fused kernel."""
+
+    def __init__(self, *args, chunk: int = CHUNK):
+        super().__init__(*args)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps = torch.zeros((), dtype=torch.float32)
+        self.chunk = chunk
+
+    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
+        c = self.cfg
+        self.steps += 1
+        scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
+        for group, start, end in self.spans:
+            for lo in range(start, end, self.chunk):
+                hi = min(end, lo + self.chunk)
+                p = self.master[lo:hi]
+                torch._fused_adamw_([p], [self.grad[lo:hi]], [self.exp_avg[lo:hi]],
+                                    [self.exp_avg_sq[lo:hi]], [], [self.steps], lr=lr,
+                                    beta1=c.beta1, beta2=c.beta2, weight_decay=self.decay(group, c),
+                                    eps=c.eps, amsgrad=False, maximize=False, grad_scale=scale)
+                if self.compute is not None:
+                    self.compute[lo:hi].copy_(p)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.steps}
+
+
+class Lamb(LayerOptimizer):
+    """LAMB (You et al., 2020, Algorithm 2): Adam's bias-corrected direction plus decoupled
+    weight decay, scaled per tensor by the trust ratio ||x|| / ||r|| (1 where a norm is 0).
+    Moments are updated over whole spans; the per-tensor norms and scaling use foreach ops."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps = torch.zeros((), dtype=torch.float32)
+
+    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
+        c = self.cfg
+        self.steps += 1
+        n = float(self.steps)
+        g = self.grad if grad_scale == 1.0 else self.grad / grad_scale
+        m, v = self.exp_avg, self.exp_avg_sq
+        m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
+        v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+        # r = m^ / (sqrt(v^) + eps) + wd * x, in one scratch buffer
+        r = torch.div(v, 1 - c.beta2 ** n).sqrt_().add_(c.eps)
+        torch.div(m, r, out=r).div_(1 - c.beta1 ** n)
+        for group, start, end in self.spans:
+            if self.decay(group, c):
+                r[start:end].add_(self.master[start:end], alpha=self.decay(group, c))
+        x_views, r_views = views(self.master, self.plan), views(r, self.plan)
+        x_norm = torch.stack(torch._foreach_norm(x_views))
+        r_norm = torch.stack(torch._foreach_norm(r_views))
+        ratio = torch.where((x_norm > 0) & (r_norm > 0), x_norm / r_norm, 1.0)
+        torch._foreach_mul_(r_views, list(ratio.mul_(-lr).unbind()))
+        self.master.add_(r)  # padding of r is 0: m, v and x are 0 there
+        self.publish()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.steps}
+
+
+class Sgd(LayerOptimizer):
+    """torch.optim.SGD semantics: coupled weight decay, momentum buffer started from the first
+    gradient, no dampening or Nesterov."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.momentum_buffer = torch.zeros_like(self.master) if self.cfg.momentum else None
+        self.steps = torch.zeros((), dtype=torch.float32)
+
+    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
+        c = self.cfg
+        first = int(self.steps) == 0
+        self.steps += 1
+        for group, start, end in self.spans:
+            p = self.master[start:end]
+            d = self.grad[start:end] / grad_scale if grad_scale != 1.0 else self.grad[start:end]
+            if self.decay(group, c):
+                d = d.add(p, alpha=self.decay(group, c))
+            if self.momentum_buffer is not None:
+                buf = self.momentum_buffer[start:end]
+                if first:
+                    buf.copy_(d)
+                else:
+                    buf.mul_(c.momentum).add_(d)
+                d = buf
+            p.add_(d, alpha=-lr)
+        self.publish()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"step": self.steps}
+        if self.momentum_buffer is not None:
+            out["momentum_buffer"] = self.momentum_buffer
+        return out
+
+
+OPTIMIZERS = {"adamw": AdamW, "lamb": Lamb, "sgd": Sgd}
+
+
+def make_optimizer(plan: LayerPlan, master: torch.Tensor, grad: torch.Tensor,
+                   compute: torch.Tensor | None, cfg: OptimizerConfig, **kw) -> LayerOptimizer:
+    return OPTIMIZERS[cfg.name](plan, master, grad, compute, cfg, **kw)

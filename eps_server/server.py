@@ -1,10 +1,14 @@
 """The EPS process shell: asyncio (uvloop) + ZeroMQ ROUTER. Decode, dispatch, reply; no math.
 
 Every request is handled in its own task, so a Fetch that waits for a version never blocks
-other peers. Arithmetic (reduction, optimizer steps, checkpoints) runs on a thread pool; the
-per-layer lock keeps one layer's reduce/update calls in order while other layers proceed.
-A bad message gets an Error reply and changes nothing; a bug in a handler gets an "internal"
-Error reply and is logged; the server keeps serving.
+other peers. Arithmetic (reduction, updates, checkpoints) runs on a thread pool; a per-layer
+lock keeps one layer's reduce/update calls in order while other layers proceed. A bad message
+gets an Error reply and changes nothing; a bug in a handler gets an "internal" Error reply and
+is logged; the server keeps serving.
+
+A gradient's way: on_push -> Reducer.add (eager reduction) -> when the last worker's part is
+in: eager: Updater.eager (update now) | deferred: Updater.stats, then the whole step at once
+-> VersionBoard.set (answers the Fetches waiting for the new version).
 """
 
 from __future__ import annotations
@@ -36,25 +40,29 @@ from protocol.messages import (
     Fetch,
     GradAck,
     Hello,
+    HyperAck,
     InitLayer,
     LayerReady,
     Message,
     PushGrad,
     RegionInfo,
     Save,
+    SetHyper,
     StashArena,
     Status,
     StatusReply,
     Welcome,
 )
-from protocol.tensors import DTYPES, Manifest
+from protocol.tensors import DTYPES, Manifest, manifest_difference
 from protocol.trace import Tracer
 
 from . import checkpoint
-from .config import ServerConfig
+from .config import ServerConfig, with_changes
 from .layer_store import LayerStore
-from .optimizers import LayerOptimizer
+from .optimizers import make_optimizer
 from .reducer import ReduceError, Reducer, all_finite
+from .updater import Updater
+from .versions import VersionBoard, VersionError
 
 log = logging.getLogger("eps_server")
 
@@ -82,7 +90,9 @@ class EpsServer:
         self.run_id = cfg.run_id or secrets.token_hex(4)
         self.store: LayerStore | None = None
         self.reducer: Reducer | None = None
-        self.optimizers: list[LayerOptimizer] = []
+        self.optimizers: list = []
+        self.updater: Updater | None = None
+        self.board: VersionBoard | None = None
         self.locks: list[asyncio.Lock] = []
         self.peers: dict[bytes, Peer] = {}
         self.initialiser_rank: int | None = None
@@ -90,9 +100,7 @@ class EpsServer:
         self.stats: Counter = Counter()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="eps-math")
         self.tracer = Tracer(cfg.trace, "eps-server")
-        self._waiters: dict[int, list[tuple[int, asyncio.Future, bytes]]] = {}
-        self._updating: set[int] = set()  # layers whose update is pending or running
-        self._versions_changed: asyncio.Condition | None = None
+        self._deferred: dict[int, dict] = {}  # step -> layer -> LayerStats (deferred updates)
         self._hold_from: int | None = None  # updates from this version on wait (checkpointing)
         self._released: asyncio.Event | None = None
         self._broken: str | None = None
@@ -101,27 +109,34 @@ class EpsServer:
         self._last_step_time = time.perf_counter()
         self.handlers = {Hello: self.on_hello, InitLayer: self.on_init, Fetch: self.on_fetch,
                          PushGrad: self.on_push, Save: self.on_save, Status: self.on_status,
-                         Bye: self.on_bye, StashArena: self.on_stash_arena}
+                         Bye: self.on_bye, StashArena: self.on_stash_arena,
+                         SetHyper: self.on_set_hyper}
         torch.set_num_threads(cfg.threads)
 
     # ------------------------------------------------------------------------- model
 
     def _create_model(self, manifest: Manifest) -> None:
-        self.store = LayerStore(manifest, self.run_id, self.cfg.compute_dtype)
-        self.reducer = Reducer(self.store.layout, self.cfg.world_size)
+        store = self.store = LayerStore(manifest, self.run_id, self.cfg.compute_dtype)
+        self.reducer = Reducer(store.layout, self.cfg.world_size)
+        compute = store.compute_region is not None
         self.optimizers = [
-            LayerOptimizer(plan, self.store.master(plan.index), self.reducer.grads[plan.index],
-                           self.cfg.optimizer)
-            for plan in self.store.layout.layers]
-        self.locks = [asyncio.Lock() for _ in self.store.layout.layers]
-        log.info("model: %d layers, %.2fM parameters, manifest %s", self.store.num_layers,
-                 manifest.num_params / 1e6, self.store.manifest_hash[:19])
+            make_optimizer(plan, store.master(plan.index), self.reducer.grads[plan.index],
+                           store.compute(plan.index) if compute else None, self.cfg.optimizer)
+            for plan in store.layout.layers]
+        self.updater = Updater(self.cfg, self.reducer, self.optimizers)
+        self.board = VersionBoard(store.versions, gate_on_step=self.cfg.loss_scaling)
+        self.locks = [asyncio.Lock() for _ in store.layout.layers]
+        log.info("model: %d layers, %.2fM parameters, manifest %s", store.num_layers,
+                 manifest.num_params / 1e6, store.manifest_hash[:19])
 
     def load(self, path: str) -> None:
         loaded = checkpoint.read_meta(path)
         self._create_model(loaded.manifest)
         checkpoint.load_into(loaded, self.store, self.optimizers)
         step = int(loaded.state["step"])
+        scaler = loaded.state.get("loss_scaler", {})
+        self.updater.scaler.scale = scaler.get("scale", self.updater.scaler.scale)
+        self.updater.scaler.good_steps = scaler.get("good_steps", 0)
         for layer in range(self.store.num_layers):
             self.store.publish(layer)
             self.store.versions[layer] = step
@@ -131,7 +146,6 @@ class EpsServer:
 
     async def serve(self, ready_line: bool = True) -> None:
         self._stop = asyncio.Event()
-        self._versions_changed = asyncio.Condition()
         self._released = asyncio.Event()
         self._released.set()
         if self.cfg.load:
@@ -152,8 +166,8 @@ class EpsServer:
         if ready_line:
             print(f"EPS_READY endpoint={self.cfg.endpoint} run_id={self.run_id} pid={os.getpid()}",
                   flush=True)
-        log.info("listening on %s (world size %d, %s)", self.cfg.endpoint, self.cfg.world_size,
-                 self.cfg.precision)
+        log.info("listening on %s (world size %d, %s, %s updates)", self.cfg.endpoint,
+                 self.cfg.world_size, self.cfg.precision, self.cfg.update)
         receiver = asyncio.create_task(self._receive())
         try:
             await self._stop.wait()
@@ -184,9 +198,12 @@ class EpsServer:
     async def _receive(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            task = asyncio.create_task(self._handle(frames[0].bytes, frames[1:]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._handle(frames[0].bytes, frames[1:]))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _handle(self, identity: bytes, frames: list) -> None:
         self.stats["messages"] += 1
@@ -214,6 +231,8 @@ class EpsServer:
         except RequestError as e:
             reply, out_frames = Error(req_id=msg.req_id, code=e.code, message=str(e),
                                       field=e.field), ()
+        except VersionError as e:
+            reply, out_frames = Error(req_id=msg.req_id, code=e.code, message=str(e)), ()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug: report it, keep serving
@@ -236,6 +255,12 @@ class EpsServer:
             raise RequestError("not_registered", "say Hello first")
         return peer
 
+    def _control(self, identity: bytes) -> None:
+        """Control requests (Save, SetHyper) come from this job's workers, or over ipc, where
+        the socket directory's permissions already restrict peers to this user."""
+        if identity not in self.peers and not self.cfg.endpoint.startswith("ipc://"):
+            raise RequestError("not_registered", "control requests over tcp need a Hello first")
+
     def _layer(self, layer: int) -> None:
         if self.store is None:
             raise RequestError("not_ready", "the server has no model yet")
@@ -243,43 +268,9 @@ class EpsServer:
             raise RequestError("bad_request",
                                f"layer {layer} out of range [0, {self.store.num_layers})", "layer")
 
-    def _set_version(self, layer: int, version: int) -> None:
-        before = self.store.step
-        self.store.versions[layer] = version
-        waiting = self._waiters.pop(layer, [])
-        still = []
-        for entry in waiting:
-            min_version, fut, _ = entry
-            if fut.done():
-                continue
-            if min_version <= version:
-                fut.set_result(version)
-            else:
-                still.append(entry)
-        if still:
-            self._waiters[layer] = still
-        if self.store.step > before:
-            self._on_step_complete(self.store.step)
-        asyncio.get_running_loop().create_task(self._notify_versions())
-
-    async def _notify_versions(self) -> None:
-        async with self._versions_changed:
-            self._versions_changed.notify_all()
-
-    async def _wait_version(self, identity: bytes, layer: int, min_version: int) -> int:
-        if self.store.versions[layer] >= min_version:
-            return self.store.versions[layer]
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(layer, []).append((min_version, fut, identity))
-        return await fut
-
-    def _fail_waiters(self, identity: bytes | None, why: str) -> None:
-        """Fail the pending Fetches of one peer (None: of every peer)."""
-        for waiting in self._waiters.values():
-            for _, fut, who in waiting:
-                if (identity is None or who == identity) and not fut.done():
-                    fut.set_exception(RequestError("internal" if identity is None
-                                                   else "bad_request", why))
+    def _publish(self, layer: int, version: int) -> None:
+        if self.board.set(layer, version):
+            self._on_step_complete(self.board.step)
 
     def _on_step_complete(self, step: int) -> None:
         """Every layer has reached version ``step``: step-1 is done (0: initial values in)."""
@@ -287,16 +278,15 @@ class EpsServer:
         if step == 0:
             log.info("model initialised")
         else:
+            self.updater.step_done(step - 1)
             self.stats["steps_completed"] += 1
             log.info("step %d complete (%.3f s)", step - 1, now - self._last_step_time)
         self._last_step_time = now
         every = self.cfg.checkpoint_every
         if every and step > 0 and step % every == 0:
-            task = asyncio.get_running_loop().create_task(self._save_at_boundary(self.cfg.save))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._save_at_boundary(self.cfg.save))
 
-    # ------------------------------------------------------------------------- handlers
+    # ------------------------------------------------------------------------- handshake
 
     async def on_hello(self, identity: bytes, msg: Hello, frames):
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -305,7 +295,8 @@ class EpsServer:
         if msg.world_size != self.cfg.world_size:
             raise RequestError("bad_request", f"server world size is {self.cfg.world_size}, "
                                f"worker says {msg.world_size}", "world_size")
-        if msg.grad_dtype not in ("float32", self.cfg.compute_dtype):
+        grad_dtype = self.cfg.compute_dtype if msg.grad_dtype == "compute" else msg.grad_dtype
+        if grad_dtype not in ("float32", self.cfg.compute_dtype):
             raise RequestError("bad_request", f"grad_dtype must be float32 or "
                                f"{self.cfg.compute_dtype}", "grad_dtype")
         if self.store is None:
@@ -318,7 +309,11 @@ class EpsServer:
             self._create_model(msg.manifest)
             self.initialiser_rank = msg.rank
         elif msg.manifest_hash != self.store.manifest_hash:
-            raise RequestError("manifest_mismatch", _mismatch(self.store.manifest, msg),
+            head = (f"model mismatch: the server holds {self.store.manifest_hash[:19]}.. "
+                    f"({self.store.num_layers} layers, {self.store.manifest.num_params} params)"
+                    f", worker rank {msg.rank} has {msg.manifest_hash[:19]}..")
+            diff = manifest_difference(self.store.manifest, msg.manifest) if msg.manifest else ""
+            raise RequestError("manifest_mismatch", f"{head}: {diff}" if diff else head,
                                "manifest_hash")
         init_layers = ()
         if msg.rank == self.initialiser_rank:  # a restarted initialiser finishes the job
@@ -328,23 +323,22 @@ class EpsServer:
                 log.warning("rank %d reconnected (pid %d replaces pid %d)", msg.rank, msg.pid,
                             old.pid)
                 del self.peers[old_identity]
-                self._fail_waiters(old_identity, f"rank {msg.rank} was replaced")
-        self.peers[identity] = Peer(identity, msg.rank, msg.transport, msg.grad_dtype, msg.pid)
+                self.board.fail(old_identity, "bad_request", f"rank {msg.rank} was replaced")
+        self.peers[identity] = Peer(identity, msg.rank, msg.transport, grad_dtype, msg.pid)
         self.done_ranks.discard(msg.rank)
         grads = None
         if msg.transport == "shm":
-            region = self.store.grad_region(msg.rank, msg.grad_dtype, self.cfg.grad_slots)
-            grads = RegionInfo(name=region.name, nbytes=region.nbytes, dtype=msg.grad_dtype)
+            region = self.store.grad_region(msg.rank, grad_dtype, self.cfg.grad_slots)
+            grads = RegionInfo(name=region.name, nbytes=region.nbytes, dtype=grad_dtype)
         log.info("hello from rank %d (pid %d, %s, %s)", msg.rank, msg.pid, msg.host,
                  msg.transport)
         return Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION, run_id=self.run_id,
             step=max(self.store.step, 0), init_layers=init_layers,
-            compute_dtype=self.cfg.compute_dtype, master=self.store.master_info(),
-            compute=self.store.compute_info(),
-            grads=grads, grad_slots=self.cfg.grad_slots,
-            grad_slot_numel=self.store.layout.max_layer_numel, world_size=self.cfg.world_size,
-            optimizer=self.cfg.optimizer.as_dict()), ()
+            compute_dtype=self.cfg.compute_dtype, grad_dtype=grad_dtype,
+            master=self.store.master_info(), compute=self.store.compute_info(), grads=grads,
+            grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_layer_numel,
+            world_size=self.cfg.world_size, optimizer=self.cfg.optimizer.as_dict()), ()
 
     async def on_init(self, identity: bytes, msg: InitLayer, frames):
         peer = self._peer(identity)
@@ -369,8 +363,10 @@ class EpsServer:
             if not await self._math(write):
                 raise RequestError("bad_request", f"initial values of layer {msg.layer} are not "
                                    "all finite", "frames")
-        self._set_version(msg.layer, 0)
+        self._publish(msg.layer, 0)
         return Ack(req_id=msg.req_id), ()
+
+    # ------------------------------------------------------------------------- weights
 
     async def on_fetch(self, identity: bytes, msg: Fetch, frames):
         peer = self._peer(identity)
@@ -380,10 +376,10 @@ class EpsServer:
             raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
                                f"version {msg.min_version} is more than one step ahead",
                                "min_version")
-        if msg.min_version <= current and msg.layer in self._updating:
+        if msg.min_version <= current and msg.layer in self.board.updating:
             raise RequestError("bad_request", f"version {current} of layer {msg.layer} is being "
                                "replaced: every worker has pushed its gradient", "min_version")
-        version = await self._wait_version(identity, msg.layer, msg.min_version)
+        version = await self.board.wait(identity, msg.layer, msg.min_version)
         self.stats["fetches"] += 1
         plan = self.store.plan(msg.layer)
         if msg.which == "master" or self.store.compute_region is None:
@@ -397,7 +393,10 @@ class EpsServer:
             out = (region.base[offset:offset + nbytes].numpy().data,)
         return LayerReady(req_id=msg.req_id, layer=msg.layer, version=version,
                           region="" if out else region.name, offset=0 if out else offset,
-                          nbytes=nbytes, dtype=dtype), out
+                          nbytes=nbytes, dtype=dtype,
+                          loss_scale=self.updater.scaler.scale), out
+
+    # ------------------------------------------------------------------------- gradients
 
     async def on_push(self, identity: bytes, msg: PushGrad, frames):
         peer = self._peer(identity)
@@ -429,10 +428,12 @@ class EpsServer:
             self.reducer.claim(msg.layer, peer.rank)
         except ReduceError as e:
             raise RequestError("bad_request", str(e), e.field) from None
+        # fp16: an overflow is expected now and then and the loss scaler deals with it.
+        check = not self.cfg.loss_scaling
 
         def reduce() -> bool:
             with self.tracer.span(f"reduce L{msg.layer} r{peer.rank}", "reduce"):
-                if not all_finite(src):
+                if check and not all_finite(src):
                     return False
                 self.reducer.add(msg.layer, src)
                 return True
@@ -454,37 +455,67 @@ class EpsServer:
         self.stats["pushes"] += 1
         self.stats["bytes_reduced"] += plan.nbytes(msg.dtype)
         if complete:
-            self._updating.add(msg.layer)
-            task = asyncio.get_running_loop().create_task(self._update(msg.layer, version))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.board.updating.add(msg.layer)
+            deferred = self.cfg.update == "deferred"
+            self._spawn((self._collect if deferred else self._update)(msg.layer, version))
         return GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer, slot=msg.slot), ()
 
-    async def _update(self, layer: int, version: int) -> None:
-        """Eager update: runs as soon as every worker's gradient of ``layer`` is in."""
+    async def _held(self, version: int) -> None:
+        """Wait while a checkpoint holds updates that would start step ``version``+1."""
         while self._hold_from is not None and version >= self._hold_from:
             await self._released.wait()
+
+    async def _update(self, layer: int, version: int) -> None:
+        """Eager: update ``layer`` as soon as every worker's gradient of it is in."""
+        await self._held(version)
+        await self._guarded(layer, version, self.updater.eager, layer, version)
+
+    async def _collect(self, layer: int, version: int) -> None:
+        """Deferred: gather the step's per-layer statistics; the last layer in runs the step."""
+        stats = await self._guarded(layer, None, self.updater.stats, layer)
+        if stats is None:
+            return
+        pending = self._deferred.setdefault(version, {})
+        pending[layer] = stats
+        if len(pending) < self.store.num_layers:
+            return
+        del self._deferred[version]
+        divisor = self.updater.deferred_plan(pending, version)
+        await self._held(version)
+        for lay in range(self.store.num_layers):  # layer 0 first: the next step starts there
+            if divisor is None:
+                self._finish(lay, version)
+            else:
+                self._spawn(self._guarded(lay, version, self.updater.apply, lay, version,
+                                          divisor))
+
+    async def _guarded(self, layer: int, version: int | None, fn, *args):
+        """Run ``fn`` on a math thread under the layer's lock; then, if ``version`` is given,
+        publish the layer's next version. A failure breaks the server (see _break)."""
         try:
             async with self.locks[layer]:
                 t0 = time.perf_counter()
-                await self._math(self._apply, layer, version)
+                with self.tracer.span(f"{fn.__name__} L{layer}", "update"):
+                    result = await self._math(fn, *args)
                 self.stats["update_seconds"] += time.perf_counter() - t0
-                self.stats["updates"] += 1
-                self.reducer.reset(layer)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("update of layer %d failed", layer)
             self._broken = f"update of layer {layer} failed: {type(e).__name__}: {e}"
-            self._fail_waiters(None, self._broken)
-            return
-        self._updating.discard(layer)
-        self._set_version(layer, version + 1)
+            self.board.fail(None, "internal", self._broken)
+            return None
+        if version is not None:
+            self._finish(layer, version)
+        return result
 
-    def _apply(self, layer: int, version: int) -> None:
-        with self.tracer.span(f"update L{layer}", "update"):
-            self.optimizers[layer].step(self.cfg.optimizer.lr)
-            self.store.publish(layer)
+    def _finish(self, layer: int, version: int) -> None:
+        self.stats["updates"] += 1
+        self.reducer.reset(layer)
+        self.board.updating.discard(layer)
+        self._publish(layer, version + 1)
+
+    # ------------------------------------------------------------------------- control
 
     async def on_stash_arena(self, identity: bytes, msg: StashArena, frames):
         peer = self._peer(identity)
@@ -499,12 +530,30 @@ class EpsServer:
         return ArenaReady(req_id=msg.req_id, region=RegionInfo(
             name=region.name, nbytes=region.nbytes, dtype="float32")), ()
 
+    async def on_set_hyper(self, identity: bytes, msg: SetHyper, frames):
+        self._control(identity)
+        try:
+            new = with_changes(self.cfg.optimizer, msg.changes)
+        except (ValueError, TypeError) as e:
+            raise RequestError("bad_request", str(e), "changes") from None
+        self.cfg.optimizer = new
+        for opt in self.optimizers:  # read once per update: applies from the next one
+            opt.cfg = new
+        log.info("hyperparameters changed: %s", msg.changes)
+        return HyperAck(req_id=msg.req_id, optimizer=new.as_dict()), ()
+
     async def on_save(self, identity: bytes, msg: Save, frames):
-        self._peer(identity)  # only a worker of this job may make the server write files
+        self._control(identity)
         if self.store is None or not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
         await self._save_at_boundary(msg.path)
         return Ack(req_id=msg.req_id), ()
+
+    def _checkpoint_extra(self) -> dict:
+        s = self.updater.scaler
+        return {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
+                "precision": self.cfg.precision,
+                "loss_scaler": {"scale": s.scale, "good_steps": s.good_steps}}
 
     async def _save_at_boundary(self, path: str) -> int:
         """Checkpoint at a step boundary: hold updates that would start the next step, wait
@@ -515,12 +564,11 @@ class EpsServer:
         self._hold_from = target
         self._released.clear()
         try:
-            async with self._versions_changed:
-                await self._versions_changed.wait_for(lambda: self.store.step == target)
-            extra = {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
-                     "precision": self.cfg.precision}
+            await self.board.wait_for_step(target)
             t0 = time.perf_counter()
-            await self._math(checkpoint.save, path, self.store, self.optimizers, extra)
+            with self.tracer.span(f"checkpoint {target}", "checkpoint"):
+                await self._math(checkpoint.save, path, self.store, self.optimizers,
+                                 self._checkpoint_extra())
             log.info("checkpoint of step %d written to %s (%.2f s)", target, path,
                      time.perf_counter() - t0)
             return target
@@ -536,29 +584,29 @@ class EpsServer:
                         "the last checkpoint stands", min(self.store.versions),
                         max(self.store.versions))
             return
-        self._hold_from, self._released = None, asyncio.Event()
-        self._released.set()
         await self._math(checkpoint.save, self.cfg.save, self.store, self.optimizers,
-                         {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
-                          "precision": self.cfg.precision})
+                         self._checkpoint_extra())
         log.info("final checkpoint of step %d written to %s", self.store.step, self.cfg.save)
 
     def stats_snapshot(self) -> dict:
         stats = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}
-        stats.update(peak_memory_bytes(), params=self.store.manifest.num_params if self.store
-                     else 0)
+        stats.update(peak_memory_bytes(), lr=self.cfg.optimizer.lr)
+        if self.store is not None:
+            stats.update(params=self.store.manifest.num_params,
+                         loss_scale=self.updater.scaler.scale,
+                         overflow_steps=len(self.updater.overflow_steps),
+                         skipped_updates=self.updater.skipped_updates)
         if self._broken:
             stats["broken"] = self._broken
         return stats
 
     async def on_status(self, identity: bytes, msg: Status, frames):
         versions = tuple(self.store.versions) if self.store else ()
-        stats = self.stats_snapshot()
         return StatusReply(req_id=msg.req_id, run_id=self.run_id,
                            step=max(self.store.step, 0) if self.store else 0, versions=versions,
                            world_size=self.cfg.world_size,
                            ranks=tuple(sorted(p.rank for p in self.peers.values())),
-                           stats=stats), ()
+                           stats=self.stats_snapshot()), ()
 
     async def on_bye(self, identity: bytes, msg: Bye, frames):
         peer = self._peer(identity)
@@ -566,7 +614,8 @@ class EpsServer:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
         del self.peers[identity]
-        self._fail_waiters(identity, f"rank {peer.rank} said Bye")
+        if self.board is not None:
+            self.board.fail(identity, "bad_request", f"rank {peer.rank} said Bye")
         if msg.done:
             self.done_ranks.add(peer.rank)
         if self.cfg.exit_when_done and len(self.done_ranks) >= self.cfg.world_size:
@@ -602,29 +651,3 @@ def _frame_tensor(frame: memoryview, dtype: str, numel: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only frame; never written
         return torch.frombuffer(frame, dtype=DTYPES[dtype], count=numel)
-
-
-def _mismatch(server: Manifest, msg: Hello) -> str:
-    """A clear description of how a worker's model differs from the server's."""
-    head = (f"model mismatch: the server holds {server.hash()[:19]}.. "
-            f"({len(server.layers)} layers, {server.num_params} params), "
-            f"worker rank {msg.rank} has {msg.manifest_hash[:19]}..")
-    theirs = msg.manifest
-    if theirs is None:
-        return head
-    if len(theirs.layers) != len(server.layers):
-        return f"{head}: {len(theirs.layers)} layers vs {len(server.layers)}"
-    if theirs.meta != server.meta:
-        diff = sorted(k for k in set(theirs.meta) | set(server.meta)
-                      if theirs.meta.get(k) != server.meta.get(k))
-        return f"{head}: model settings differ: " + ", ".join(
-            f"{k}={theirs.meta.get(k)!r} (server {server.meta.get(k)!r})" for k in diff[:5])
-    for a, b in zip(theirs.layers, server.layers):
-        if a != b:
-            for ta, tb in zip(a.tensors, b.tensors):
-                if ta != tb:
-                    return (f"{head}: layer {a.name!r} tensor {ta.name!r} {ta.shape} vs "
-                            f"server {tb.name!r} {tb.shape}")
-            return f"{head}: layer {a.name!r} differs"
-    return head
-

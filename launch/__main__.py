@@ -14,7 +14,7 @@ import secrets
 import sys
 import time
 
-from eps_server.__main__ import add_optimizer_args
+from eps_server.__main__ import add_optimizer_args, optimizer_argv
 from eps_server.config import PRECISIONS
 from protocol.trace import merge
 from worker.cli import add_job_args, add_model_args, job_argv
@@ -55,10 +55,7 @@ def build(a: argparse.Namespace) -> Launcher:
     py = sys.executable
     server = [py, "-m", "eps_server", "--endpoint", endpoint, "--world-size", str(a.workers),
               "--run-id", run_id, "--exit-when-done", "--precision", a.precision,
-              "--server-threads", str(a.server_threads), "--optimizer", a.optimizer,
-              "--lr", str(a.lr), "--weight-decay", str(a.weight_decay), "--beta1", str(a.beta1),
-              "--beta2", str(a.beta2), "--adam-eps", str(a.adam_eps),
-              "--momentum", str(a.momentum)]
+              "--server-threads", str(a.server_threads), *optimizer_argv(a)]
     if a.server_save:
         server += ["--server-save", a.server_save, "--checkpoint-every", str(a.checkpoint_every)]
     if a.load:

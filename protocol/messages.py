@@ -103,7 +103,7 @@ class Hello(Message):
     manifest_hash: str
     manifest: Manifest | None = None
     transport: str = "shm"
-    grad_dtype: str = "float32"
+    grad_dtype: str = "compute"  # a dtype name, or "compute": the server's compute dtype
     pid: int = 0
     host: str = ""
 
@@ -111,7 +111,8 @@ class Hello(Message):
         _require(1 <= self.world_size <= MAX_RANKS, "world_size", f"must be in [1, {MAX_RANKS}]")
         _require(0 <= self.rank < self.world_size, "rank", "must be in [0, world_size)")
         _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
-        _require(self.grad_dtype in DTYPES, "grad_dtype", f"must be one of {sorted(DTYPES)}")
+        _require(self.grad_dtype in (*DTYPES, "compute"), "grad_dtype",
+                 f"must be one of {sorted(DTYPES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
         _require(len(self.host) <= 255, "host", "too long")
 
@@ -125,6 +126,7 @@ class Welcome(Message):
     step: int  # the next step to run (= steps completed by every layer)
     init_layers: tuple[int, ...]  # layers this worker must send with InitLayer (bootstrap)
     compute_dtype: str  # dtype of the served copy and of the worker's compute
+    grad_dtype: str  # dtype of this worker's pushed gradients (Hello's, resolved)
     master: RegionInfo  # fp32 master weights (flat layout)
     compute: RegionInfo | None  # compute-precision copy; None when it is the master itself
     grads: RegionInfo | None  # this rank's gradient slots (shm transport only)
@@ -189,6 +191,7 @@ class LayerReady(Message):
     offset: int
     nbytes: int
     dtype: str
+    loss_scale: float = 1.0  # fp16: multiply this step's loss by it (gradients come back scaled)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -280,3 +283,23 @@ class ArenaReady(Message):
     """Reply to StashArena: the arena's region (created for this rank, mode 0600)."""
 
     region: RegionInfo
+
+
+# ----------------------------------------------------------------------------- hyperparameters
+
+
+@message(16)
+class SetHyper(Message):
+    """Change optimizer hyperparameters of a running server (lr, weight_decay, betas, eps,
+    momentum, schedule, warmup_steps, total_steps, min_lr_ratio, clip_norm); they apply from the
+    next layer update that starts. Answered with HyperAck carrying the whole new setting."""
+
+    changes: dict[str, str | int | float | bool]
+
+    def check(self) -> None:
+        _require(0 < len(self.changes) <= 32, "changes", "must name 1..32 settings")
+
+
+@message(17)
+class HyperAck(Message):
+    optimizer: dict[str, str | int | float | bool]

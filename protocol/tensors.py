@@ -204,6 +204,25 @@ def plan_layout(manifest: Manifest) -> Layout:
     return Layout(tuple(plans), region_offset)
 
 
+def manifest_difference(ours: Manifest, theirs: Manifest) -> str:
+    """The first difference between two manifests, for people ("" if they are equal)."""
+    if len(theirs.layers) != len(ours.layers):
+        return f"{len(theirs.layers)} layers vs {len(ours.layers)}"
+    if theirs.meta != ours.meta:
+        keys = sorted(k for k in set(theirs.meta) | set(ours.meta)
+                      if theirs.meta.get(k) != ours.meta.get(k))
+        return "model settings differ: " + ", ".join(
+            f"{k}={theirs.meta.get(k)!r} (server {ours.meta.get(k)!r})" for k in keys[:5])
+    for a, b in zip(theirs.layers, ours.layers):
+        if a != b:
+            for ta, tb in zip(a.tensors, b.tensors):
+                if ta != tb:
+                    return (f"layer {a.name!r} tensor {ta.name!r} {ta.shape} vs "
+                            f"server {tb.name!r} {tb.shape}")
+            return f"layer {a.name!r} differs"
+    return ""
+
+
 def views(flat: torch.Tensor, plan: LayerPlan) -> list[torch.Tensor]:
     """Per-tensor views (manifest order) of one layer's flat buffer."""
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors]

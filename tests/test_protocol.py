@@ -19,11 +19,13 @@ from protocol.messages import (
     Fetch,
     GradAck,
     Hello,
+    HyperAck,
     InitLayer,
     LayerReady,
     PushGrad,
     RegionInfo,
     Save,
+    SetHyper,
     StashArena,
     Status,
     StatusReply,
@@ -66,7 +68,7 @@ SAMPLES = {
     Hello: hellos(),
     Welcome: st.builds(Welcome, req_id=ids, protocol_version=small, run_id=st.text(max_size=10),
                        step=small, init_layers=st.lists(small, max_size=4).map(tuple),
-                       compute_dtype=dtypes,
+                       compute_dtype=dtypes, grad_dtype=dtypes,
                        master=regions, compute=st.none() | regions, grads=st.none() | regions,
                        grad_slots=small, grad_slot_numel=small, world_size=small,
                        optimizer=st.dictionaries(st.text(max_size=8), scalars, max_size=4)),
@@ -77,7 +79,8 @@ SAMPLES = {
     Fetch: st.builds(Fetch, req_id=ids, layer=small, min_version=small,
                      which=st.sampled_from(["compute", "master"])),
     LayerReady: st.builds(LayerReady, req_id=ids, layer=small, version=small,
-                          region=st.text(max_size=20), offset=small, nbytes=small, dtype=dtypes),
+                          region=st.text(max_size=20), offset=small, nbytes=small, dtype=dtypes,
+                          loss_scale=st.floats(1e-8, 1e8)),
     PushGrad: st.builds(PushGrad, req_id=ids, step=small, layer=small,
                         rank=st.integers(0, 4095), slot=st.integers(-1, 8), dtype=dtypes),
     GradAck: st.builds(GradAck, req_id=ids, step=small, layer=small, slot=st.integers(-1, 8)),
@@ -93,6 +96,10 @@ SAMPLES = {
     Bye: st.builds(Bye, req_id=ids, rank=small, done=st.booleans()),
     StashArena: st.builds(StashArena, req_id=ids, nbytes=st.integers(1, 2**40)),
     ArenaReady: st.builds(ArenaReady, req_id=ids, region=regions),
+    SetHyper: st.builds(SetHyper, req_id=ids, changes=st.dictionaries(
+        st.text(max_size=8), scalars, min_size=1, max_size=4)),
+    HyperAck: st.builds(HyperAck, req_id=ids, optimizer=st.dictionaries(
+        st.text(max_size=8), scalars, max_size=4)),
 }
 
 

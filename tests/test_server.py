@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from protocol import codec
-from protocol.messages import PROTOCOL_VERSION, Bye, Fetch, PushGrad, Status
+from protocol.messages import PROTOCOL_VERSION, Bye, Fetch, PushGrad, SetHyper, Status
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
 
@@ -236,13 +236,33 @@ def test_a_future_hello_gets_a_version_error_not_a_decode_error(server):
     assert "upgrade" in reply.message
 
 
-def test_save_and_bye_need_a_registered_worker(client, tmp_path):
-    refused(lambda: client.save(str(tmp_path / "ckpt")), "not_registered")
-    assert not (tmp_path / "ckpt").exists()
+def test_bye_needs_the_peers_own_rank(client, tmp_path):
+    refused(lambda: client.call(Bye, rank=0, done=True), "not_registered")
     bootstrap(client)
     refused(lambda: client.call(Bye, rank=3, done=True), "bad_request", "rank")
-    client.save(str(tmp_path / "ckpt"))
+    client.save(str(tmp_path / "ckpt"))  # over ipc, control requests are this user's
     assert (tmp_path / "ckpt" / "master.safetensors").exists()
+
+
+def test_control_over_tcp_needs_a_worker(cluster, tmp_path):
+    """On a tcp endpoint (loopback: any local user can connect) only the job's workers may make
+    the server write files or change hyperparameters."""
+    import socket as pysocket
+
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster.endpoint = f"tcp://127.0.0.1:{port}"
+    cluster.start_server(1)
+    c = EpsClient(cluster.endpoint, timeout=20)
+    try:
+        refused(lambda: c.save(str(tmp_path / "ckpt")), "not_registered")
+        refused(lambda: c.call(SetHyper, changes={"lr": 0.5}), "not_registered")
+        assert not (tmp_path / "ckpt").exists()
+        bootstrap(c)
+        assert c.call(SetHyper, changes={"lr": 0.5}).optimizer["lr"] == 0.5
+    finally:
+        c.close()
 
 
 def test_a_restarted_initialiser_sends_only_the_missing_layers(server):

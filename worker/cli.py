@@ -32,6 +32,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per worker per step (u)")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     g.add_argument("--transport", choices=("shm", "frames"), default=d.transport)
+    g.add_argument("--grad-dtype", choices=("compute", "float32"), default=d.grad_dtype,
+                   help="dtype of pushed gradients (sums are accumulated in fp32 either way)")
     g.add_argument("--stash", choices=STASHES, default=d.stash)
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="wait for every fetch and push in turn (no L2Lp overlap)")
@@ -51,6 +53,7 @@ def worker_config(a: argparse.Namespace, **over) -> WorkerConfig:
     fields = dict(endpoint=a.endpoint, rank=a.rank, world_size=a.world_size, device=a.device,
                   steps=a.steps, micro_batches=a.micro_batches,
                   micro_batch_size=a.micro_batch_size, transport=a.transport, stash=a.stash,
+                  grad_dtype=a.grad_dtype,
                   threads=a.threads, eps_timeout=a.eps_timeout, save=a.save,
                   summary_json=a.summary_json, copy_weights=a.copy_weights, trace=a.trace,
                   overlap=a.overlap)
@@ -63,7 +66,7 @@ def job_argv(a: argparse.Namespace) -> list[str]:
     out = []
     for name in ("model", "layers", "hidden", "heads", "ffn", "seq_len", "vocab", "classes",
                  "dropout", "seed", "device", "steps", "micro_batches", "micro_batch_size",
-                 "transport", "stash", "threads", "eps_timeout"):
+                 "transport", "grad_dtype", "stash", "threads", "eps_timeout"):
         out += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
     if a.copy_weights:
         out.append("--copy-weights")

@@ -57,6 +57,9 @@ class WorkerConfig:
     micro_batches: int = 2
     """u: micro-batches per worker per step, all run through a layer per visit."""
     micro_batch_size: int = 8
+    grad_dtype: str = "compute"
+    """Dtype of pushed gradients: compute (the EPS's compute precision) or float32. Sums over
+    micro-batches are always accumulated in fp32; the EPS reduces across workers in fp32."""
     transport: str = "shm"
     """shm: tensors through shared memory (same box); frames: tensor bytes over ZeroMQ."""
     stash: str = "device"
@@ -86,6 +89,8 @@ class WorkerConfig:
             raise ValueError("rank must be in [0, world_size)")
         if self.micro_batches < 1 or self.micro_batch_size < 1 or self.steps < 0:
             raise ValueError("micro_batches and micro_batch_size must be >= 1, steps >= 0")
+        if self.grad_dtype not in ("compute", "float32"):
+            raise ValueError("grad_dtype must be compute or float32")
         if self.transport not in ("shm", "frames"):
             raise ValueError("transport must be shm or frames")
         if self.stash not in STASHES:

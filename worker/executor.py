@@ -9,8 +9,9 @@ Per step t (L layers: pre, blocks, post):
                                 the stash with grad, back-propagate, accumulate; push grad(l)
 
 Every visit takes its weights, then asks its layer source for the *next* visit's
-(``prefetch``), so fetching overlaps compute and at most two layers are in flight; pushes are asynchronous and the EPS reduces and updates a layer
-while the worker computes the layers below. Dropout masks are seeded by (seed, step, layer,
+(``prefetch``), so fetching overlaps compute and at most two layers are in flight; pushes are
+asynchronous and the EPS reduces and updates a layer while the worker computes the layers
+below. Dropout masks are seeded by (seed, step, layer,
 global micro-batch) in the forward and the recompute alike, so gradients equal plain training's.
 """
 
@@ -98,6 +99,7 @@ class Executor:
         head = layer == len(self.plans) - 1
         loss_sum = torch.zeros((), device=self.device)
         correct_sum = torch.zeros((), dtype=torch.long, device=self.device)
+        scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
             leaves = [v.requires_grad_() for v in views(self.source.weights(layer, step), plan)]
             if layer > 0:
@@ -120,6 +122,8 @@ class Executor:
                     out, correct = out
                     loss_sum += out.detach()
                     correct_sum += correct
+                    if scale != 1.0:
+                        out = out * scale
                 inputs = leaves if x_in is None else [x_in, *leaves]
                 grads = torch.autograd.grad(out, inputs, None if head else dx[i])
                 if x_in is not None:

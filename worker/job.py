@@ -68,7 +68,6 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
     model = build_model(mcfg)
     manifest = model.manifest()
     layout = plan_layout(manifest)
-    grad_dtype = "float32"
     client = EpsClient(cfg.endpoint, cfg.eps_timeout)
     source = welcome = None
     tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
@@ -77,19 +76,19 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
     memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
     try:
         welcome = client.hello(rank=cfg.rank, world_size=cfg.world_size, manifest=manifest,
-                               transport=cfg.transport, grad_dtype=grad_dtype,
+                               transport=cfg.transport, grad_dtype=cfg.grad_dtype,
                                timeout=min(cfg.eps_timeout, 120.0))
-        log.info("rank %d: joined run %s at step %d (%d layers, %.2fM params)", cfg.rank,
-                 welcome.run_id, welcome.step, len(layout.layers), manifest.num_params / 1e6)
+        log.info("rank %d: joined run %s at step %d (%d layers, %.2fM params, compute %s, "
+                 "gradients %s)", cfg.rank, welcome.run_id, welcome.step, len(layout.layers),
+                 manifest.num_params / 1e6, welcome.compute_dtype, welcome.grad_dtype)
         if welcome.init_layers:
             t0 = time.perf_counter()
             bootstrap(client, model, layout, welcome.init_layers)
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
         sharder = Sharder(build_task(mcfg), cfg.micro_batch_size, cfg.global_micro_batches)
         source = EpsSource(client, welcome, layout, rank=cfg.rank, device=device,
-                           transport=cfg.transport, grad_dtype=grad_dtype,
-                           timeout=cfg.eps_timeout, tracer=tracer, copy_weights=cfg.copy_weights,
-                           overlap=cfg.overlap)
+                           transport=cfg.transport, timeout=cfg.eps_timeout, tracer=tracer,
+                           copy_weights=cfg.copy_weights, overlap=cfg.overlap)
         executor = Executor(model, layout, source, sharder, device=device,
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=mcfg.dropout, seed=mcfg.seed, stash=cfg.stash, tracer=tracer)

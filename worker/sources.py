@@ -38,7 +38,7 @@ from .transfer import GradSlots, Regions, SlotRing, layer_view, padding_gaps
 
 class EpsSource:
     def __init__(self, client: EpsClient, welcome, layout: Layout, *, rank: int,
-                 device: torch.device, transport: str, grad_dtype: str, timeout: float,
+                 device: torch.device, transport: str, timeout: float,
                  tracer: Tracer = NULL, copy_weights: bool = False, overlap: bool = True):
         self.client = client
         self.overlap = overlap
@@ -49,8 +49,8 @@ class EpsSource:
         self.timeout = timeout
         self.tracer = tracer
         self.streams = Streams(device)
-        self.grad_dtype_name = grad_dtype
-        self.grad_dtype = DTYPES[grad_dtype]
+        self.grad_dtype_name = welcome.grad_dtype
+        self.grad_dtype = DTYPES[welcome.grad_dtype]
         cuda = device.type == "cuda"
         # CPU: read weights in place (no copy) unless asked to copy (exercises the copy path).
         self.in_place = not cuda and not copy_weights
@@ -69,12 +69,16 @@ class EpsSource:
         self.slots = SlotRing(welcome.grad_slots)
         self.shared = (GradSlots(self.regions, welcome, layout, self.grad_dtype)
                        if transport == "shm" else None)
-        # Where gradients accumulate: the shared slot itself (CPU+shm), else local buffers.
-        self.local = [] if (self.shared is not None and not cuda) else [
-            torch.empty(n, dtype=self.grad_dtype, device=device) for _ in range(welcome.grad_slots)]
-        self.staging = ([torch.empty(n, dtype=self.grad_dtype, pin_memory=True)
+        # Micro-batch sums accumulate in fp32 whatever the wire dtype: straight into the shared
+        # slot on CPU when that is fp32, else in local buffers converted at push time.
+        acc = torch.float32
+        self.in_slot = self.shared is not None and not cuda and self.grad_dtype == acc
+        self.local = [] if self.in_slot else [
+            torch.empty(n, dtype=acc, device=device) for _ in range(welcome.grad_slots)]
+        self.staging = ([torch.empty(n, dtype=self.grad_dtype, pin_memory=cuda)
                          for _ in range(welcome.grad_slots)]
-                        if cuda and self.shared is None else [])
+                        if self.shared is None and (cuda or self.grad_dtype != acc) else [])
+        self._scales: dict[int, float] = {}
         self._pusher = ThreadPoolExecutor(1, "l2l-push") if cuda else None
         self._pending: dict[tuple[int, int], Future] = {}
         self._held: dict[tuple[int, int], object] = {}
@@ -128,7 +132,14 @@ class EpsSource:
             self._held[layer, version] = buffer
         if ready.version != version:
             raise RuntimeError(f"layer {layer}: got version {ready.version}, need {version}")
+        self._scales[version] = ready.loss_scale
+        self._scales.pop(version - 2, None)
         return flat
+
+    def loss_scale(self, version: int) -> float:
+        """The fp16 loss scale of step ``version`` (1.0 otherwise), as the EPS sent it with the
+        step's weights."""
+        return self._scales.get(version, 1.0)
 
     def release(self, layer: int, version: int) -> None:
         held = self._held.pop((layer, version), None)
@@ -142,38 +153,46 @@ class EpsSource:
         self._raise_refused()
         with self.tracer.span("wait slot", "wait"):
             slot = self.slots.acquire(self.timeout)
-        if self.local:
-            return slot, self.local[slot][:plan.numel]
-        return slot, self.shared.slot(slot, plan)
+        if self.in_slot:
+            return slot, self.shared.slot(slot, plan)
+        return slot, self.local[slot][:plan.numel]
 
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
         for start, end in self._gaps[plan.index]:  # padding: the slot may hold older data
             buf[start:end].zero_()
         if self._pusher is not None:
             done = self.streams.event()
-            job = self._pusher.submit(self._push_from_device, step, plan, slot, buf, done)
-            self._pushes.append(job)
-            if not self.overlap:
-                self.drain()
-            return
-        data = buf.view(torch.uint8).numpy().data if self.shared is None else None
-        self._pushes.append(self._send(step, plan, slot, data))
+            self._pushes.append(self._pusher.submit(self._push_from_device, step, plan, slot,
+                                                    buf, done))
+        else:
+            self._pushes.append(self._send(step, plan, slot, self._outgoing(slot, plan, buf)))
         if not self.overlap:
             self.drain()  # the non-overlapped path: wait for the EPS before computing on
+
+    def _outgoing(self, slot: int, plan: LayerPlan, buf: torch.Tensor):
+        """Put the accumulated gradient where the EPS reads it, in the wire dtype. Returns the
+        frame to send (frames transport) or None (it is in the shared slot)."""
+        if self.in_slot:
+            return None
+        cuda = self._pusher is not None
+        if self.shared is not None:
+            self.shared.slot(slot, plan).copy_(buf, non_blocking=cuda)
+            return None
+        host = self.staging[slot][:plan.numel] if self.staging else buf
+        if host is not buf:
+            host.copy_(buf, non_blocking=cuda)
+        return host.view(torch.uint8).numpy().data
 
     def _push_from_device(self, step, plan, slot, buf, done) -> Future:
         """Pusher thread (CUDA): device gradient -> pinned host (shared slot or staging)."""
         try:
-            host = (self.shared.slot(slot, plan) if self.shared is not None
-                    else self.staging[slot][:plan.numel])
             with self.tracer.span(f"d2h L{plan.index}", "d2h"), self.streams.on(self.streams.d2h):
                 self.streams.wait(done, self.streams.d2h)
-                host.copy_(buf, non_blocking=True)
+                data = self._outgoing(slot, plan, buf)
                 self.streams.event(self.streams.d2h).synchronize()
         except BaseException:
             self.slots.release(slot)
             raise
-        data = host.view(torch.uint8).numpy().data if self.shared is None else None
         return self._send(step, plan, slot, data)
 
     def _send(self, step: int, plan: LayerPlan, slot: int, data) -> Future:

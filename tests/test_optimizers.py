@@ -1,0 +1,187 @@
+"""The EPS's per-layer optimizers against torch and against the papers' equations; schedules
+and clipping against their definitions (in one process, on flat layer buffers)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eps_server.config import OptimizerConfig
+from eps_server.optimizers import make_optimizer
+from eps_server.schedules import lr_at
+from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout, views
+
+torch.manual_seed(0)
+LAYER = LayerSpec(name="l", kind="k", tensors=(
+    TensorSpec(name="w1", shape=(33, 17)), TensorSpec(name="b1", shape=(17,), group="no_decay"),
+    TensorSpec(name="w2", shape=(17, 5)), TensorSpec(name="ln", shape=(5,), group="no_decay")))
+PLAN = plan_layout(Manifest(layers=(LAYER,))).layers[0]
+
+
+def flat_layer(compute_dtype=None):
+    master = torch.zeros(PLAN.numel)
+    for v in views(master, PLAN):
+        v.copy_(torch.randn(v.shape))
+    grad = torch.zeros(PLAN.numel)
+    compute = None if compute_dtype is None else torch.zeros(PLAN.numel, dtype=compute_dtype)
+    return master, grad, compute
+
+
+def set_grad(grad, grads):
+    for v, g in zip(views(grad, PLAN), grads):
+        v.copy_(g)
+
+
+def torch_params(master):
+    return [v.clone().requires_grad_() for v in views(master, PLAN)]
+
+
+def groups(params, wd):
+    decay = [p for p, s in zip(params, PLAN.tensors) if s.group == "decay"]
+    no_decay = [p for p, s in zip(params, PLAN.tensors) if s.group == "no_decay"]
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def random_grads():
+    return [torch.randn(s.shape) for s in PLAN.tensors]
+
+
+def assert_matches(master, params, atol):
+    for v, p in zip(views(master, PLAN), params):
+        assert torch.allclose(v, p.detach(), atol=atol, rtol=0), (v - p).abs().max()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_matches_torch(name):
+    cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, momentum=0.9)
+    master, grad, _ = flat_layer()
+    params = torch_params(master)
+    ours = make_optimizer(PLAN, master, grad, None, cfg)
+    ref = (torch.optim.AdamW(groups(params, 0.1), lr=1e-2, foreach=False) if name == "adamw"
+           else torch.optim.SGD(groups(params, 0.1), lr=1e-2, momentum=0.9, foreach=False))
+    for t in range(6):
+        g = random_grads()
+        set_grad(grad, g)
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        ours.step(t, lr=1e-2)
+        ref.step()
+    assert_matches(master, params, 1e-6)
+    padding = torch.ones(PLAN.numel, dtype=torch.bool)
+    for s in PLAN.tensors:
+        padding[s.offset:s.offset + s.numel] = False
+    assert (master[padding] == 0).all()  # alignment padding stays zero
+
+
+def lamb_reference(params, grads_seq, lr, b1, b2, eps, wd_of):
+    """LAMB (You et al., 2020, Algorithm 2), per tensor, in float64:
+    m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  m^ = m/(1-b1^t);  v^ = v/(1-b2^t)
+    r = m^ / (sqrt(v^) + eps) + wd x;  x -= lr * (||x|| / ||r||) * r   (ratio 1 if a norm is 0)"""
+    xs = [p.double().clone() for p in params]
+    ms = [torch.zeros_like(x) for x in xs]
+    vs = [torch.zeros_like(x) for x in xs]
+    for t, grads in enumerate(grads_seq, start=1):
+        for i, (x, g) in enumerate(zip(xs, grads)):
+            g = g.double()
+            ms[i] = b1 * ms[i] + (1 - b1) * g
+            vs[i] = b2 * vs[i] + (1 - b2) * g * g
+            m_hat = ms[i] / (1 - b1 ** t)
+            v_hat = vs[i] / (1 - b2 ** t)
+            r = m_hat / (v_hat.sqrt() + eps) + wd_of[i] * x
+            xn, rn = x.norm(), r.norm()
+            ratio = xn / rn if xn > 0 and rn > 0 else 1.0
+            xs[i] = x - lr * ratio * r
+    return xs
+
+
+def test_lamb_matches_the_paper():
+    cfg = OptimizerConfig(name="lamb", lr=1e-2, weight_decay=0.01, beta1=0.9, beta2=0.999,
+                          eps=1e-6)
+    master, grad, _ = flat_layer()
+    views(master, PLAN)[3].zero_()  # a zero tensor: trust ratio 1
+    start = [v.clone() for v in views(master, PLAN)]
+    ours = make_optimizer(PLAN, master, grad, None, cfg)
+    seq = [random_grads() for _ in range(5)]
+    for t, g in enumerate(seq):
+        set_grad(grad, g)
+        ours.step(t, lr=cfg.lr)
+    wd = [0.01 if s.group == "decay" else 0.0 for s in PLAN.tensors]
+    want = lamb_reference(start, seq, cfg.lr, 0.9, 0.999, 1e-6, wd)
+    for v, w in zip(views(master, PLAN), want):
+        assert torch.allclose(v.double(), w, atol=1e-6, rtol=0), (v.double() - w).abs().max()
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+def test_grad_scale_unscales(name):
+    """Stepping on S*g with grad_scale S equals stepping on g (loss scaling, clipping)."""
+    cfg = OptimizerConfig(name=name, lr=1e-2, momentum=0.9)
+    a_master, a_grad, _ = flat_layer()
+    b_master, b_grad = a_master.clone(), a_grad.clone()
+    a = make_optimizer(PLAN, a_master, a_grad, None, cfg)
+    b = make_optimizer(PLAN, b_master, b_grad, None, cfg)
+    for t in range(3):
+        g = random_grads()
+        set_grad(a_grad, g)
+        set_grad(b_grad, [x * 1024.0 for x in g])
+        a.step(t, lr=1e-2)
+        b.step(t, lr=1e-2, grad_scale=1024.0)
+    assert torch.allclose(a_master, b_master, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_copy_is_written_with_the_update(name, dtype):
+    cfg = OptimizerConfig(name=name, lr=1e-2)
+    master, grad, compute = flat_layer(dtype)
+    opt = make_optimizer(PLAN, master, grad, compute, cfg)
+    set_grad(grad, random_grads())
+    opt.step(0, lr=1e-2)
+    assert torch.equal(compute, master.to(dtype))
+
+
+def test_adamw_chunks_match_one_call():
+    """The compute copy is written chunk by chunk while the chunk is in cache; chunking must
+    not change the arithmetic."""
+    cfg = OptimizerConfig(name="adamw", lr=1e-2)
+    a_master, a_grad, a_c = flat_layer(torch.bfloat16)
+    b_master, b_grad = a_master.clone(), a_grad.clone()
+    a = make_optimizer(PLAN, a_master, a_grad, a_c, cfg, chunk=64)
+    b = make_optimizer(PLAN, b_master, b_grad, None, cfg)
+    for t in range(3):
+        g = random_grads()
+        set_grad(a_grad, g)
+        set_grad(b_grad, g)
+        a.step(t, lr=1e-2)
+        b.step(t, lr=1e-2)
+    assert torch.equal(a_master, b_master)
+
+
+def test_state_round_trip():
+    cfg = OptimizerConfig(name="adamw", lr=1e-2)
+    master, grad, _ = flat_layer()
+    opt = make_optimizer(PLAN, master, grad, None, cfg)
+    set_grad(grad, random_grads())
+    opt.step(0, lr=1e-2)
+    state = {k: v.clone() for k, v in opt.state_tensors().items()}
+    m2, g2 = master.clone(), grad.clone()
+    twin = make_optimizer(PLAN, m2, g2, None, cfg)
+    twin.load_state_tensors(state)
+    opt.step(1, lr=1e-2)
+    twin.step(1, lr=1e-2)
+    assert torch.equal(master, m2)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_schedules_follow_their_definition(schedule):
+    lr, w, total, m = 1.0, 10, 110, 0.1
+    got = [lr_at(t, lr, schedule, w, total, m) for t in range(130)]
+    assert got[:w] == pytest.approx([(t + 1) / w for t in range(w)])  # warmup, never 0
+    for t in range(w, 130):
+        p = min(1.0, (t - w) / (total - w))
+        want = {"constant": 1.0, "linear": m + (1 - m) * (1 - p),
+                "cosine": m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p))}[schedule]
+        assert got[t] == pytest.approx(want)
+    if schedule != "constant":
+        assert got[total] == pytest.approx(m) and got[-1] == pytest.approx(m)
