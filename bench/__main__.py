@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import memory, scale, speed, transfer
+from . import memory, optimizer, scale, speed, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -19,6 +19,7 @@ BENCHMARKS = {
     "memory": (memory.add_args, memory.memory),
     "transfer": (transfer.add_args, transfer.transfer),
     "scale": (scale.add_args, scale.scale),
+    "optimizer": (optimizer.add_args, optimizer.optimizer),
 }
 
 

@@ -21,9 +21,11 @@ PLAN = plan_layout(Manifest(layers=(LAYER,))).layers[0]
 
 
 def flat_layer(compute_dtype=None):
+    """A layer with weights of a trained model's magnitude (fp32 rounding stays far below the
+    1e-6 tolerance of the comparisons)."""
     master = torch.zeros(PLAN.numel)
     for v in views(master, PLAN):
-        v.copy_(torch.randn(v.shape))
+        v.copy_(torch.randn(v.shape) * 0.1)
     grad = torch.zeros(PLAN.numel)
     compute = None if compute_dtype is None else torch.zeros(PLAN.numel, dtype=compute_dtype)
     return master, grad, compute
