@@ -22,6 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stash", default="eps")
+    p.add_argument("--lr", type=float, default=1e-4, help="BERT-Large scale: no 1e-3 steps")
 
 
 def scale(a) -> dict:
@@ -29,7 +30,7 @@ def scale(a) -> dict:
                  "--heads", str(a.heads), "--seq-len", str(a.seq_len), "--vocab", "1024",
                  "--micro-batch-size", str(a.micro_batch_size), "--micro-batches",
                  str(a.micro_batches), "--threads", str(a.threads), "--stash", a.stash,
-                 "--dropout", "0.1"], steps=a.steps)
+                 "--dropout", "0.1", "--lr", str(a.lr)], steps=a.steps)
     eps = s["eps"]
     params = eps["params"]
     eps_peak = eps["vmhwm_bytes"]

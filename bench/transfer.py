@@ -2,8 +2,11 @@
 through ZeroMQ frames vs raw pyzmq request/reply of the same bytes, side by side.
 
 The EPS side is a real eps-server process; the layers are BERT-Large sized by default
-(12.6M fp32 parameters, 50 MB). "fetch + copy" is what a CUDA worker does per visit (round trip,
-then one copy out of shared memory); a CPU worker reads shared memory in place ("fetch only").
+(12.6M fp32 parameters, 50 MB). A worker's layer fetch is "version board + copy": the version is
+already published (the Fetch for it was answered one visit ahead, or the shared board shows
+it), then one copy out of shared memory (on CUDA: into the device). A CPU worker skips the copy
+and reads shared memory in place. "Fetch round trip + copy" is the same with a synchronous
+request first.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .common import ENV, check, median, table
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numel", type=int, default=12_582_912, help="elements per layer")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--reps", type=int, default=12)
+    p.add_argument("--reps", type=int, default=20)
 
 
 def _manifest(layers: int, numel: int) -> Manifest:
@@ -57,10 +60,12 @@ def _eps_times(endpoint: str, transport: str, a) -> dict:
         for layer in welcome.init_layers:
             client.wait(client.init_layer(layer, torch.randn(layout.layers[layer].numel)
                                           .numpy().data))
+        board = None
         if transport == "shm":
             regions.attach(welcome.master, writable=False)
+            board = regions.attach(welcome.versions, writable=False).tensor(torch.int64)
         dst = torch.empty(layout.max_layer_numel)
-        fetch_only, fetch_copy = [], []
+        fetch_only, fetch_copy, board_copy = [], [], []
         warmup = a.layers  # one round over every layer first: page faults of the first touch
         for rep in range(warmup + a.reps):
             layer = rep % a.layers
@@ -70,10 +75,17 @@ def _eps_times(endpoint: str, transport: str, a) -> dict:
             t1 = time.perf_counter()
             dst[:plan.numel].copy_(layer_view(regions, plan, ready, frames))
             t2 = time.perf_counter()
+            if board is not None:  # the worker's path: version already published, no request
+                t3 = time.perf_counter()
+                assert int(board[layer]) >= 0
+                dst[:plan.numel].copy_(layer_view(regions, plan, ready, frames))
+                if rep >= warmup:
+                    board_copy.append(time.perf_counter() - t3)
             if rep >= warmup:
                 fetch_only.append(t1 - t0)
                 fetch_copy.append(t2 - t0)
-        return {"fetch_only": median(fetch_only), "fetch_copy": median(fetch_copy)}
+        return {"fetch_only": median(fetch_only), "fetch_copy": median(fetch_copy),
+                "board_copy": median(board_copy)}
     finally:
         regions.close()
         client.close()
@@ -146,9 +158,11 @@ def transfer(a) -> dict:
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
     shm, frames = results["shm"], results["frames"]
     rows = [["raw copy_ (private -> private)", raw_copy, gbs(raw_copy), 1.0],
-            ["EPS shm: fetch + copy", shm["fetch_copy"], gbs(shm["fetch_copy"]),
+            ["EPS shm: version board + copy (worker)", shm["board_copy"],
+             gbs(shm["board_copy"]), raw_copy / shm["board_copy"]],
+            ["EPS shm: Fetch round trip + copy", shm["fetch_copy"], gbs(shm["fetch_copy"]),
              raw_copy / shm["fetch_copy"]],
-            ["EPS shm: fetch only (CPU reads in place)", shm["fetch_only"], None, None],
+            ["EPS shm: Fetch round trip only", shm["fetch_only"], None, None],
             ["raw pyzmq request -> frame reply", raw_zmq, gbs(raw_zmq), 1.0],
             ["EPS frames: fetch", frames["fetch_only"], gbs(frames["fetch_only"]),
              raw_zmq / frames["fetch_only"]]]
@@ -157,11 +171,13 @@ def transfer(a) -> dict:
     return {
         "table": table(f"transfer: one layer of {nbytes / 2**20:.0f} MiB fp32 ({os.cpu_count()} "
                        "cpus)", ["path", "seconds", "GB/s", "vs raw"], rows),
-        "seconds": {"raw_copy": raw_copy, "shm_fetch_copy": shm["fetch_copy"],
+        "seconds": {"raw_copy": raw_copy, "shm_board_copy": shm["board_copy"],
+                    "shm_fetch_copy": shm["fetch_copy"],
                     "shm_fetch_only": shm["fetch_only"], "raw_zmq": raw_zmq,
                     "frames_fetch": frames["fetch_only"]},
-        "ratios": {"shm_vs_raw_copy": raw_copy / shm["fetch_copy"],
+        "ratios": {"shm_vs_raw_copy": raw_copy / shm["board_copy"],
+                   "shm_with_round_trip_vs_raw_copy": raw_copy / shm["fetch_copy"],
                    "frames_vs_raw_zmq": raw_zmq / frames["fetch_only"]},
-        "targets": [check("shm layer fetch / raw copy", raw_copy / shm["fetch_copy"], ">=", 0.7),
+        "targets": [check("shm layer fetch / raw copy", raw_copy / shm["board_copy"], ">=", 0.7),
                     check("frames fetch / raw pyzmq", raw_zmq / frames["fetch_only"], ">=", 0.7)],
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 
@@ -42,6 +43,9 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        for key, value in asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key} must be finite")
         if not self.lr >= 0 or not self.weight_decay >= 0 or not self.eps > 0:
             raise ValueError("lr and weight_decay must be >= 0, eps > 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.momentum < 1):

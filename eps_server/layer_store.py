@@ -9,7 +9,9 @@ Regions (all created by the EPS, mode 0600, unlinked by the EPS alone):
 Versions: ``versions[l]`` is the number of optimizer steps applied to layer l (-1 before its
 initial values arrive). Step t of training reads version t of every layer. Layer l is only ever
 rewritten after every worker pushed its step-t gradient of l, i.e. after every worker is done
-reading version t, so one copy per layer is enough for synchronous data parallelism.
+reading version t, so one copy per layer is enough for synchronous data parallelism. Versions
+are mirrored, int64 per layer, in ``l2l-<run>-versions``: a worker reading shared memory in
+place sees that a version exists without asking.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class LayerStore:
         self.compute_region = (
             None if compute_dtype == "float32"
             else self._create("compute", self.layout.nbytes(compute_dtype)))
+        self.versions_region = self._create("versions", 8 * len(self.layout.layers))
+        self._version_board = self.versions_region.tensor(torch.int64)
+        self._version_board.fill_(-1)
         self._master = self.master_region.tensor(torch.float32)
         self._compute = (self._master if self.compute_region is None
                          else self.compute_region.tensor(DTYPES[compute_dtype]))
@@ -70,6 +75,17 @@ class LayerStore:
         """Refresh the compute copy of ``layer`` from its master (no-op for fp32)."""
         if self.compute_region is not None:
             self.compute(layer).copy_(self.master(layer))
+
+    def set_version(self, layer: int, version: int) -> None:
+        """Record a layer's version, here and in the shared board. The layer's bytes were
+        written before (by the math thread whose completion the caller awaited), and x86 keeps
+        stores in order, so a worker that sees the new version sees the new bytes."""
+        self.versions[layer] = version
+        self._version_board[layer] = version
+
+    def versions_info(self) -> RegionInfo:
+        return RegionInfo(name=self.versions_region.name, nbytes=self.versions_region.nbytes,
+                          dtype="int64")
 
     @property
     def initialised(self) -> bool:

@@ -124,7 +124,7 @@ class EpsServer:
                            store.compute(plan.index) if compute else None, self.cfg.optimizer)
             for plan in store.layout.layers]
         self.updater = Updater(self.cfg, self.reducer, self.optimizers)
-        self.board = VersionBoard(store.versions, gate_on_step=self.cfg.loss_scaling)
+        self.board = VersionBoard(store, gate_on_step=self.cfg.loss_scaling)
         self.locks = [asyncio.Lock() for _ in store.layout.layers]
         log.info("model: %d layers, %.2fM parameters, manifest %s", store.num_layers,
                  manifest.num_params / 1e6, store.manifest_hash[:19])
@@ -134,12 +134,16 @@ class EpsServer:
         self._create_model(loaded.manifest)
         checkpoint.load_into(loaded, self.store, self.optimizers)
         step = int(loaded.state["step"])
+        saved = loaded.state.get("optimizer", {})
+        if saved and saved != self.cfg.optimizer.as_dict():
+            log.warning("the checkpoint was trained with optimizer settings %s; continuing with "
+                        "the ones given now: %s", saved, self.cfg.optimizer.as_dict())
         scaler = loaded.state.get("loss_scaler", {})
         self.updater.scaler.scale = scaler.get("scale", self.updater.scaler.scale)
         self.updater.scaler.good_steps = scaler.get("good_steps", 0)
         for layer in range(self.store.num_layers):
             self.store.publish(layer)
-            self.store.versions[layer] = step
+            self.store.set_version(layer, step)
         log.info("resumed from %s at step %d", loaded.path, step)
 
     # ------------------------------------------------------------------------- serving
@@ -338,7 +342,8 @@ class EpsServer:
             compute_dtype=self.cfg.compute_dtype, grad_dtype=grad_dtype,
             master=self.store.master_info(), compute=self.store.compute_info(), grads=grads,
             grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_layer_numel,
-            world_size=self.cfg.world_size, optimizer=self.cfg.optimizer.as_dict()), ()
+            world_size=self.cfg.world_size, optimizer=self.cfg.optimizer.as_dict(),
+            versions=self.store.versions_info() if msg.transport == "shm" else None), ()
 
     async def on_init(self, identity: bytes, msg: InitLayer, frames):
         peer = self._peer(identity)
@@ -472,7 +477,7 @@ class EpsServer:
 
     async def _collect(self, layer: int, version: int) -> None:
         """Deferred: gather the step's per-layer statistics; the last layer in runs the step."""
-        stats = await self._guarded(layer, None, self.updater.stats, layer)
+        stats = await self._guarded(layer, None, self.updater.deferred_stats, layer)
         if stats is None:
             return
         pending = self._deferred.setdefault(version, {})
@@ -528,7 +533,7 @@ class EpsServer:
                                f"bytes: {e}", "nbytes") from None
         log.info("stash arena of %.1f MiB for rank %d", msg.nbytes / 2**20, peer.rank)
         return ArenaReady(req_id=msg.req_id, region=RegionInfo(
-            name=region.name, nbytes=region.nbytes, dtype="float32")), ()
+            name=region.name, nbytes=region.nbytes, dtype="uint8")), ()
 
     async def on_set_hyper(self, identity: bytes, msg: SetHyper, frames):
         self._control(identity)
@@ -592,6 +597,7 @@ class EpsServer:
         stats = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}
         stats.update(peak_memory_bytes(), lr=self.cfg.optimizer.lr)
         if self.store is not None:
+            stats["lr_now"] = self.cfg.optimizer.lr_at(max(self.store.step, 0))
             stats.update(params=self.store.manifest.num_params,
                          loss_scale=self.updater.scaler.scale,
                          overflow_steps=len(self.updater.overflow_steps),

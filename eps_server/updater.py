@@ -61,13 +61,18 @@ class Updater:
         self.overflow_steps: set[int] = set()
         self.skipped_updates = 0
 
-    def stats(self, layer: int) -> LayerStats:
-        """Finiteness (fp16) and squared norm (clipping) of a reduced gradient: one pass."""
+    def stats(self, layer: int, norm: bool) -> LayerStats:
+        """Finiteness (fp16) and, if ``norm``, squared norm of a reduced gradient: one pass."""
         g = self.reducer.grads[layer]
-        if self.optimizers[0].cfg.clip_norm:
-            norm = float(torch.linalg.vector_norm(g, dtype=torch.float64))
-            return LayerStats(math.isfinite(norm), norm * norm)
+        if norm:
+            n = float(torch.linalg.vector_norm(g, dtype=torch.float64))
+            return LayerStats(math.isfinite(n), n * n)
         return LayerStats(all_finite(g) if self.cfg.loss_scaling else True, 0.0)
+
+    def deferred_stats(self, layer: int) -> LayerStats:
+        """Deferred: always measure the norm, so clipping switched on mid-step (SetHyper)
+        still sees every layer's."""
+        return self.stats(layer, norm=True)
 
     def apply(self, layer: int, t: int, grad_scale: float) -> None:
         opt = self.optimizers[layer]
@@ -75,12 +80,13 @@ class Updater:
 
     def eager(self, layer: int, t: int) -> bool:
         """Update one layer now; False if its gradient overflowed and the update was skipped."""
-        s = self.stats(layer)
+        clip = self.optimizers[layer].cfg.clip_norm  # read once: SetHyper may swap settings
+        s = self.stats(layer, norm=bool(clip))
         if not s.finite:
             self.overflow_steps.add(t)
             self.skipped_updates += 1
             return False
-        self.apply(layer, t, self.scaler.scale / self._clip(math.sqrt(s.norm_sq)))
+        self.apply(layer, t, self.scaler.scale / self._clip(math.sqrt(s.norm_sq), clip))
         return True
 
     def deferred_plan(self, stats: dict[int, LayerStats], t: int) -> float | None:
@@ -91,12 +97,10 @@ class Updater:
             self.skipped_updates += len(stats)
             return None
         total = math.sqrt(sum(s.norm_sq for s in stats.values()))
-        return self.scaler.scale / self._clip(total)
+        return self.scaler.scale / self._clip(total, self.optimizers[0].cfg.clip_norm)
 
-    def _clip(self, scaled_norm: float) -> float:
-        """Clipping coefficient for a (loss-scaled) gradient norm; every layer shares the
-        optimizer settings (SetHyper swaps them all at once)."""
-        clip = self.optimizers[0].cfg.clip_norm
+    def _clip(self, scaled_norm: float, clip: float) -> float:
+        """Clipping coefficient for a (loss-scaled) gradient norm."""
         if not clip:
             return 1.0
         return min(1.0, clip / (scaled_norm / self.scaler.scale + CLIP_EPS))

@@ -30,8 +30,9 @@ class _Waiter:
 
 
 class VersionBoard:
-    def __init__(self, versions: list[int], gate_on_step: bool):
-        self.versions = versions  # shared with the LayerStore
+    def __init__(self, store, gate_on_step: bool):
+        self.store = store
+        self.versions = store.versions  # read here, written through store.set_version
         self.gate_on_step = gate_on_step
         self.updating: set[int] = set()
         self._waiters: list[_Waiter] = []
@@ -56,7 +57,7 @@ class VersionBoard:
     def set(self, layer: int, version: int) -> bool:
         """Record a layer's new version, answer whoever it unblocks; True if a step completed."""
         before = self.step
-        self.versions[layer] = version
+        self.store.set_version(layer, version)
         still = []
         for w in self._waiters:
             if w.future.done():

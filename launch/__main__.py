@@ -101,7 +101,9 @@ def summarize(a: argparse.Namespace, launcher: Launcher, code: int, elapsed: flo
         "workers": [{"rank": w["rank"], "device": w["device"],
                      "peak_memory_bytes": w["peak_memory_bytes"],
                      "samples_per_sec": w["samples_per_sec"],
-                     "step_seconds": w["step_seconds"]} for w in ranks],
+                     "step_seconds": w["step_seconds"],
+                     "fetches_without_round_trip": w["fetches_without_round_trip"]}
+                    for w in ranks],
         "model": {k: getattr(a, k) for k in ("model", "layers", "hidden", "heads", "seq_len",
                                               "vocab", "dropout", "seed")},
         "job": {k: getattr(a, k) for k in ("micro_batches", "micro_batch_size", "device",

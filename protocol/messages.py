@@ -29,6 +29,8 @@ ERROR_CODES = (
     "internal",  # a bug in the server; the request had no effect
 )
 MAX_RANKS = 4096
+# What a region holds: tensors of a layer dtype, int64 versions, or raw bytes (stash arena).
+REGION_DTYPES = (*sorted(DTYPES), "int64", "uint8")
 MAX_STR = 4096
 
 REGISTRY: dict[int, type[Message]] = {}
@@ -87,7 +89,7 @@ class RegionInfo:
     def __post_init__(self) -> None:
         _require(0 < len(self.name) <= 200 and "/" not in self.name, "name", "bad region name")
         _require(self.nbytes >= 0, "nbytes", "must be >= 0")
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
+        _require(self.dtype in REGION_DTYPES, "dtype", f"must be one of {REGION_DTYPES}")
 
 
 # ----------------------------------------------------------------------------- handshake
@@ -134,6 +136,8 @@ class Welcome(Message):
     grad_slot_numel: int
     world_size: int
     optimizer: dict[str, str | int | float | bool]  # for display and summaries
+    # shm transport: int64 version per layer, mirrored by the EPS (read-only for workers)
+    versions: RegionInfo | None = None
 
 
 @message(3)

@@ -64,6 +64,8 @@ def test_bert_learns_the_planted_rule(tmp_path):
     assert s["samples_per_sec"] > 0
     assert [w["rank"] for w in s["workers"]] == [0, 1]
     assert all(w["peak_memory_bytes"] > 0 for w in s["workers"])
+    # Layers already published are read straight from shared memory, without a round trip.
+    assert all(w["fetches_without_round_trip"] > 0 for w in s["workers"])
     assert sum(s["accuracy"][-10:]) / 10 >= 0.9
     assert s["losses"][0] > 1.2 and sum(s["losses"][-10:]) / 10 < 0.3
     assert (tmp_path / "m.safetensors").exists()

@@ -167,3 +167,19 @@ def test_bf16_tracks_fp32_and_fp16_recovers_from_overflow(tmp_path):
     assert fp16["eps"]["loss_scale"] < 2.0**30
     assert all(math.isfinite(x) for x in fp16["losses"])
     assert sum(fp16["losses"][-5:]) / 5 < fp16["losses"][0] - 0.3
+
+
+def test_ctl_steers_a_running_server(cluster, tmp_path):
+    cluster.start_server(1, *SGD)
+
+    def ctl(*args):
+        p = subprocess.run([sys.executable, "-m", "launch.ctl", "--endpoint", cluster.endpoint,
+                            *args], env=ENV, capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    code, out, _ = ctl("set", "lr=0.25", "schedule=cosine", "total_steps=50")
+    assert code == 0 and json.loads(out)["lr"] == 0.25 and json.loads(out)["schedule"] == "cosine"
+    code, out, _ = ctl("status")
+    assert code == 0 and json.loads(out)["stats"]["lr"] == 0.25
+    code, _, err = ctl("set", "optimizer=lamb")
+    assert code == 1 and "cannot change optimizer" in err

@@ -71,6 +71,7 @@ SAMPLES = {
                        compute_dtype=dtypes, grad_dtype=dtypes,
                        master=regions, compute=st.none() | regions, grads=st.none() | regions,
                        grad_slots=small, grad_slot_numel=small, world_size=small,
+                       versions=st.none() | regions,
                        optimizer=st.dictionaries(st.text(max_size=8), scalars, max_size=4)),
     Error: st.builds(Error, req_id=ids, code=st.sampled_from(ERROR_CODES),
                      message=st.text(max_size=50), field=st.text(max_size=20)),

@@ -99,9 +99,9 @@ class Executor:
         head = layer == len(self.plans) - 1
         loss_sum = torch.zeros((), device=self.device)
         correct_sum = torch.zeros((), dtype=torch.long, device=self.device)
-        scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
             leaves = [v.requires_grad_() for v in views(self.source.weights(layer, step), plan)]
+            scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
             if layer > 0:
                 self.source.prefetch(layer - 1, step)
             elif step + 1 < self.steps:

@@ -125,6 +125,7 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
         "step_seconds": [r.seconds for r in results], "samples": samples,
         "seconds": elapsed, "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
         "peak_memory_bytes": peak, "model": asdict(mcfg),
+        "fetches_without_round_trip": source.fast_fetches,
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
     if cfg.summary_json:
