@@ -4,9 +4,11 @@ backward in reverse with recompute, each layer's gradient pushed as soon as it i
 Per step t (L layers: pre, blocks, post):
 
     forward   for l in 0..L-2:  w = weights(l, t); for each micro-batch: stash input, run stage
+                                (the last block, L-2, runs with grad and keeps its graph)
     head      l = L-1:          forward + backward of the loss per micro-batch, push grad(L-1)
     backward  for l in L-2..0:  w = weights(l, t); for each micro-batch: recompute stage from
-                                the stash with grad, back-propagate, accumulate; push grad(l)
+                                the stash with grad (L-2: use the kept graph), back-propagate,
+                                accumulate; push grad(l)
 
 Every visit takes its weights, then asks its layer source for the *next* visit's
 (``prefetch``), so fetching overlaps compute and at most two layers are in flight; pushes are
@@ -29,6 +31,15 @@ from .data import Sharder
 from .models.base import LayeredModel, dropout_seed, seeded
 from .stash import make_stash
 from .streams import Streams
+
+
+@dataclass
+class _Kept:
+    """A layer's forward graph kept for its backward (per micro-batch)."""
+
+    leaves: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
 
 
 @dataclass
@@ -67,12 +78,20 @@ class Executor:
         with self.tracer.span("data", "data"):
             batches = [b.to(self.device) for b in self.sharder.batches(step, self.micro_batches)]
         last = len(self.plans) - 1
+        # The last block runs its forward with grad and keeps the graph until its backward,
+        # which follows the head's at once: one recompute less per step, one layer's memory.
+        keep = last - 1 if last >= 2 else -1
+        kept = None
         xs: list = [None] * len(batches)
 
         for layer in range(last):  # forward, layer-major
             with self.tracer.span(f"F{layer}", "forward"):
-                stage = self._bind(layer, self.source.weights(layer, step))
+                flat = self.source.weights(layer, step)
                 self.source.prefetch(layer + 1, step)
+                if layer == keep:
+                    kept = self._forward_with_graph(step, layer, flat, xs, batches)
+                    continue  # its weights stay in use until its backward
+                stage = self._bind(layer, flat)
                 with torch.no_grad():
                     for i, batch in enumerate(batches):
                         if layer > 0:
@@ -81,9 +100,10 @@ class Executor:
                             xs[i] = stage(xs[i], batch)
             self.source.release(layer, step)
 
-        loss, correct = self._backward_visit(step, last, xs, batches)  # head: fwd + bwd
+        loss, correct = self._backward_visit(step, last, xs, batches,  # head: fwd + bwd
+                                             prefetch_next=keep < 0)
         for layer in range(last - 1, -1, -1):  # backward, reverse order
-            self._backward_visit(step, layer, xs, batches)
+            self._backward_visit(step, layer, xs, batches, kept if layer == keep else None)
 
         self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
@@ -91,18 +111,38 @@ class Executor:
         return StepResult(step, float(loss), int(correct), count,
                           len(batches) * self.sharder.size, time.perf_counter() - t0)
 
-    def _backward_visit(self, step: int, layer: int, dx: list, batches):
-        """Recompute ``layer`` per micro-batch with grad, back-propagate ``dx`` (replaced in
-        place by the gradient w.r.t. the layer's input), accumulate and push the weight
-        gradient. For the head the loss is the output, and (loss, correct) is returned."""
+    def _forward_with_graph(self, step: int, layer: int, flat: torch.Tensor, xs: list,
+                            batches) -> _Kept:
+        """Forward of ``layer`` with grad, keeping inputs, outputs and weight leaves."""
+        leaves = [v.requires_grad_() for v in views(flat, self.plans[layer])]
+        stage = self.binders[self.plans[layer].kind].bind(leaves)
+        kept = _Kept(leaves, [], [])
+        for i, batch in enumerate(batches):
+            x_in = xs[i].detach().requires_grad_()
+            with torch.enable_grad(), self._rng(step, layer, i):
+                out = stage(x_in, batch)
+            kept.inputs.append(x_in)
+            kept.outputs.append(out)
+            xs[i] = out.detach()
+        return kept
+
+    def _backward_visit(self, step: int, layer: int, dx: list, batches,
+                        kept: _Kept | None = None, prefetch_next: bool = True):
+        """Recompute ``layer`` per micro-batch with grad (or take its ``kept`` graph),
+        back-propagate ``dx`` (replaced in place by the gradient w.r.t. the layer's input),
+        accumulate and push the weight gradient. For the head the loss is the output, and
+        (loss, correct) is returned."""
         plan = self.plans[layer]
         head = layer == len(self.plans) - 1
         loss_sum = torch.zeros((), device=self.device)
         correct_sum = torch.zeros((), dtype=torch.long, device=self.device)
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
-            leaves = [v.requires_grad_() for v in views(self.source.weights(layer, step), plan)]
+            leaves = kept.leaves if kept else [
+                v.requires_grad_() for v in views(self.source.weights(layer, step), plan)]
             scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
-            if layer > 0:
+            if not prefetch_next:
+                pass  # the next visit's weights are already held (the kept block)
+            elif layer > 0:
                 self.source.prefetch(layer - 1, step)
             elif step + 1 < self.steps:
                 self.source.prefetch(0, step + 1)  # answered once the EPS has updated layer 0
@@ -110,14 +150,17 @@ class Executor:
             slot, acc = self.source.grad_buffer(plan)
             acc_views = views(acc, plan)
             for i, batch in enumerate(batches):
-                if head:
-                    x_in = dx[i].detach().requires_grad_()
-                elif layer > 0:
-                    x_in = self.stash.pop(layer, i).detach().requires_grad_()
+                if kept:
+                    x_in, out = kept.inputs[i], kept.outputs[i]
                 else:
-                    x_in = None
-                with torch.enable_grad(), self._rng(step, layer, i):
-                    out = stage(x_in, batch)
+                    if head:
+                        x_in = dx[i].detach().requires_grad_()
+                    elif layer > 0:
+                        x_in = self.stash.pop(layer, i).detach().requires_grad_()
+                    else:
+                        x_in = None
+                    with torch.enable_grad(), self._rng(step, layer, i):
+                        out = stage(x_in, batch)
                 if head:
                     out, correct = out
                     loss_sum += out.detach()
