@@ -62,6 +62,19 @@ def timed_steps(step_fn, steps: int, warmup: int) -> float:
     return median(times)
 
 
+def interleaved(contenders: dict, reps: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each ``name -> fn()``, timed in rounds that call every contender once
+    (so the machine's slow and fast moments fall on all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for rep in range(warmup + reps):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: median(ts) for name, ts in times.items()}
+
+
 def table(title: str, headers: list[str], rows: list[list]) -> str:
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]

@@ -10,7 +10,6 @@ p, m, v (28 B/param; +2 with a bf16 compute copy). The streaming reference is ``
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -18,12 +17,12 @@ from eps_server.config import OptimizerConfig
 from eps_server.optimizers import make_optimizer
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout, views
 
-from .common import check, median, table
+from .common import check, interleaved, table
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
 
 
@@ -42,17 +41,6 @@ def bert_layer(h: int):
                                                   tensors=tuple(tensors)),))).layers[0]
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    fn()  # warm-up: state allocation, page faults
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
-
 def optimizer(a) -> dict:
     torch.set_num_threads(a.threads)
     plan = bert_layer(a.hidden)
@@ -63,14 +51,11 @@ def optimizer(a) -> dict:
     t = {}
 
     x, y = torch.randn(n), torch.randn(n)
-    t["stream"] = _time(lambda: x.add_(y, alpha=1e-9), a.reps)
-
-    for name, compute in (("eps adamw", None), ("eps adamw + bf16 copy",
-                                                torch.empty(n, dtype=torch.bfloat16))):
-        opt = make_optimizer(plan, master, grad, compute, cfg)
-        t[name] = _time(lambda opt=opt: opt.step(0, lr=1e-4), a.reps)
-    lamb = make_optimizer(plan, master, grad, None, OptimizerConfig(name="lamb", lr=1e-4))
-    t["eps lamb"] = _time(lambda: lamb.step(0, lr=1e-4), a.reps)
+    eps_adamw = make_optimizer(plan, master, grad, None, cfg)
+    eps_bf16 = make_optimizer(plan, master.clone(), grad, torch.empty(n, dtype=torch.bfloat16),
+                              cfg)
+    lamb = make_optimizer(plan, master.clone(), grad, None,
+                          OptimizerConfig(name="lamb", lr=1e-4))
 
     def torch_adamw(**kw):
         ps = [v.clone().requires_grad_() for v in views(master, plan)]
@@ -82,18 +67,24 @@ def optimizer(a) -> dict:
                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, **kw)
 
     fused, foreach = torch_adamw(fused=True), torch_adamw(foreach=True)
-    t["torch adamw fused"] = _time(fused.step, a.reps)
-    t["torch adamw foreach"] = _time(foreach.step, a.reps)
+    contenders = {
+        "stream": lambda: x.add_(y, alpha=1e-9),
+        "eps adamw": lambda: eps_adamw.step(0, lr=1e-4),
+        "eps adamw + bf16 copy": lambda: eps_bf16.step(0, lr=1e-4),
+        "eps lamb": lambda: lamb.step(0, lr=1e-4),
+        "torch adamw fused": fused.step,
+        "torch adamw foreach": foreach.step,
+    }
     try:  # optional: DeepSpeed's CPU Adam (JIT-builds a C++ extension on first use)
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore
 
         ps = [v.clone().requires_grad_() for v in views(master, plan)]
         for p, g in zip(ps, views(grad, plan)):
             p.grad = g.clone()
-        ds = DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True)
-        t["deepspeed cpu adam"] = _time(ds.step, a.reps)
+        contenders["deepspeed cpu adam"] = DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True).step
     except Exception:  # not installed or failed to build: skipped
         pass
+    t = interleaved(contenders, a.reps)
 
     stream_gbs = 12 * n / t["stream"] / 1e9
     bytes_per = {"eps adamw + bf16 copy": 30}
