@@ -7,8 +7,8 @@ gets an Error reply and changes nothing; a bug in a handler gets an "internal" E
 is logged; the server keeps serving.
 
 A gradient's way: on_push -> Reducer.add (eager reduction) -> when the last worker's part is
-in: eager: Updater.eager (update now) | deferred: Updater.stats, then the whole step at once
--> VersionBoard.set (answers the Fetches waiting for the new version).
+in, stepping.py: eager: Updater.eager (update now) | deferred: Updater.deferred_stats, then
+the whole step at once -> VersionBoard.set (answers the Fetches waiting for the new version).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from protocol.messages import (
     Fetch,
     GradAck,
     Hello,
-    HyperAck,
     InitLayer,
     LayerReady,
     Message,
@@ -57,22 +56,16 @@ from protocol.tensors import DTYPES, Manifest, manifest_difference
 from protocol.trace import Tracer
 
 from . import checkpoint
-from .config import ServerConfig, with_changes
+from .config import ServerConfig
+from .errors import RequestError
 from .layer_store import LayerStore
 from .optimizers import make_optimizer
 from .reducer import ReduceError, Reducer, all_finite
+from .stepping import Stepping
 from .updater import Updater
 from .versions import VersionBoard, VersionError
 
 log = logging.getLogger("eps_server")
-
-
-class RequestError(Exception):
-    """Turns into an Error reply; the request had no effect."""
-
-    def __init__(self, code: str, message: str, field: str = ""):
-        super().__init__(message)
-        self.code, self.field = code, field
 
 
 @dataclass
@@ -84,7 +77,7 @@ class Peer:
     pid: int
 
 
-class EpsServer:
+class EpsServer(Stepping):
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
         self.run_id = cfg.run_id or secrets.token_hex(4)
@@ -272,24 +265,6 @@ class EpsServer:
             raise RequestError("bad_request",
                                f"layer {layer} out of range [0, {self.store.num_layers})", "layer")
 
-    def _publish(self, layer: int, version: int) -> None:
-        if self.board.set(layer, version):
-            self._on_step_complete(self.board.step)
-
-    def _on_step_complete(self, step: int) -> None:
-        """Every layer has reached version ``step``: step-1 is done (0: initial values in)."""
-        now = time.perf_counter()
-        if step == 0:
-            log.info("model initialised")
-        else:
-            self.updater.step_done(step - 1)
-            self.stats["steps_completed"] += 1
-            log.info("step %d complete (%.3f s)", step - 1, now - self._last_step_time)
-        self._last_step_time = now
-        every = self.cfg.checkpoint_every
-        if every and step > 0 and step % every == 0:
-            self._spawn(self._save_at_boundary(self.cfg.save))
-
     # ------------------------------------------------------------------------- handshake
 
     async def on_hello(self, identity: bytes, msg: Hello, frames):
@@ -465,61 +440,6 @@ class EpsServer:
             self._spawn((self._collect if deferred else self._update)(msg.layer, version))
         return GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer, slot=msg.slot), ()
 
-    async def _held(self, version: int) -> None:
-        """Wait while a checkpoint holds updates that would start step ``version``+1."""
-        while self._hold_from is not None and version >= self._hold_from:
-            await self._released.wait()
-
-    async def _update(self, layer: int, version: int) -> None:
-        """Eager: update ``layer`` as soon as every worker's gradient of it is in."""
-        await self._held(version)
-        await self._guarded(layer, version, self.updater.eager, layer, version)
-
-    async def _collect(self, layer: int, version: int) -> None:
-        """Deferred: gather the step's per-layer statistics; the last layer in runs the step."""
-        stats = await self._guarded(layer, None, self.updater.deferred_stats, layer)
-        if stats is None:
-            return
-        pending = self._deferred.setdefault(version, {})
-        pending[layer] = stats
-        if len(pending) < self.store.num_layers:
-            return
-        del self._deferred[version]
-        divisor = self.updater.deferred_plan(pending, version)
-        await self._held(version)
-        for lay in range(self.store.num_layers):  # layer 0 first: the next step starts there
-            if divisor is None:
-                self._finish(lay, version)
-            else:
-                self._spawn(self._guarded(lay, version, self.updater.apply, lay, version,
-                                          divisor))
-
-    async def _guarded(self, layer: int, version: int | None, fn, *args):
-        """Run ``fn`` on a math thread under the layer's lock; then, if ``version`` is given,
-        publish the layer's next version. A failure breaks the server (see _break)."""
-        try:
-            async with self.locks[layer]:
-                t0 = time.perf_counter()
-                with self.tracer.span(f"{fn.__name__} L{layer}", "update"):
-                    result = await self._math(fn, *args)
-                self.stats["update_seconds"] += time.perf_counter() - t0
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.exception("update of layer %d failed", layer)
-            self._broken = f"update of layer {layer} failed: {type(e).__name__}: {e}"
-            self.board.fail(None, "internal", self._broken)
-            return None
-        if version is not None:
-            self._finish(layer, version)
-        return result
-
-    def _finish(self, layer: int, version: int) -> None:
-        self.stats["updates"] += 1
-        self.reducer.reset(layer)
-        self.board.updating.discard(layer)
-        self._publish(layer, version + 1)
-
     # ------------------------------------------------------------------------- control
 
     async def on_stash_arena(self, identity: bytes, msg: StashArena, frames):
@@ -534,64 +454,6 @@ class EpsServer:
         log.info("stash arena of %.1f MiB for rank %d", msg.nbytes / 2**20, peer.rank)
         return ArenaReady(req_id=msg.req_id, region=RegionInfo(
             name=region.name, nbytes=region.nbytes, dtype="uint8")), ()
-
-    async def on_set_hyper(self, identity: bytes, msg: SetHyper, frames):
-        self._control(identity)
-        try:
-            new = with_changes(self.cfg.optimizer, msg.changes)
-        except (ValueError, TypeError) as e:
-            raise RequestError("bad_request", str(e), "changes") from None
-        self.cfg.optimizer = new
-        for opt in self.optimizers:  # read once per update: applies from the next one
-            opt.cfg = new
-        log.info("hyperparameters changed: %s", msg.changes)
-        return HyperAck(req_id=msg.req_id, optimizer=new.as_dict()), ()
-
-    async def on_save(self, identity: bytes, msg: Save, frames):
-        self._control(identity)
-        if self.store is None or not self.store.initialised:
-            raise RequestError("not_ready", "nothing to save: the model is not initialised")
-        await self._save_at_boundary(msg.path)
-        return Ack(req_id=msg.req_id), ()
-
-    def _checkpoint_extra(self) -> dict:
-        s = self.updater.scaler
-        return {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
-                "precision": self.cfg.precision,
-                "loss_scaler": {"scale": s.scale, "good_steps": s.good_steps}}
-
-    async def _save_at_boundary(self, path: str) -> int:
-        """Checkpoint at a step boundary: hold updates that would start the next step, wait
-        until every layer has reached the same version, write, release."""
-        while self._hold_from is not None:  # one checkpoint at a time
-            await self._released.wait()
-        target = max(self.store.versions)
-        self._hold_from = target
-        self._released.clear()
-        try:
-            await self.board.wait_for_step(target)
-            t0 = time.perf_counter()
-            with self.tracer.span(f"checkpoint {target}", "checkpoint"):
-                await self._math(checkpoint.save, path, self.store, self.optimizers,
-                                 self._checkpoint_extra())
-            log.info("checkpoint of step %d written to %s (%.2f s)", target, path,
-                     time.perf_counter() - t0)
-            return target
-        finally:
-            self._hold_from = None
-            self._released.set()
-
-    async def _shutdown_save(self) -> None:
-        if not self.cfg.save or self.store is None or not self.store.initialised:
-            return
-        if min(self.store.versions) != max(self.store.versions):
-            log.warning("exiting mid-step (layer versions %d..%d): not saving a mixed state; "
-                        "the last checkpoint stands", min(self.store.versions),
-                        max(self.store.versions))
-            return
-        await self._math(checkpoint.save, self.cfg.save, self.store, self.optimizers,
-                         self._checkpoint_extra())
-        log.info("final checkpoint of step %d written to %s", self.store.step, self.cfg.save)
 
     def stats_snapshot(self) -> dict:
         stats = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}
