@@ -6,9 +6,10 @@ A checkpoint is a directory:
   master.safetensors     "<layer>/<tensor>" -> fp32 tensor with its real shape
   optimizer.safetensors  "<layer>/<group index>.<state key>" -> optimizer state
 
-It is written to ``<path>.tmp-<pid>`` and renamed into place; a previous checkpoint at ``path``
-is moved aside first and removed after the rename, and ``load`` falls back to it if a crash
-happened in between.
+It is written to ``<path>.tmp-<pid>`` (files fsynced) and renamed into place; a previous
+checkpoint at ``path`` is moved aside first and removed after the rename, and ``load`` falls
+back to it if a crash happened in between. A ``path`` that holds anything but a checkpoint is
+refused, never replaced.
 """
 
 from __future__ import annotations
@@ -44,18 +45,40 @@ def manifest_from_json(d: dict) -> Manifest:
         meta=d.get("meta", {}))
 
 
+def check_target(path: str) -> None:
+    """Raise ValueError unless ``path`` may receive a checkpoint: it does not exist, is an
+    empty directory, or holds a checkpoint (which is replaced). Anything else is left alone."""
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ValueError(f"cannot write a checkpoint to {path}: no such parent directory")
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a directory; not overwriting it")
+    if os.listdir(path) and not os.path.isfile(os.path.join(path, "state.json")):
+        raise ValueError(f"{path} is a non-empty directory that is not a checkpoint; "
+                         "not replacing it")
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save(path: str, store, optimizers, extra: dict) -> None:
     """Write the store's master and the optimizers' state at a step boundary (math thread)."""
+    check_target(path)
     path = os.path.abspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp, mode=0o700)
     try:
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest_to_json(store.manifest), f)
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({"format": FORMAT, "step": store.step, "versions": store.versions,
-                       "manifest_hash": store.manifest_hash, **extra}, f)
+        _write_json(os.path.join(tmp, "manifest.json"), manifest_to_json(store.manifest))
+        _write_json(os.path.join(tmp, "state.json"),
+                    {"format": FORMAT, "step": store.step, "versions": store.versions,
+                     "manifest_hash": store.manifest_hash, **extra})
         master, opt_state = [], []
         for plan in store.layout.layers:
             for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
@@ -64,6 +87,7 @@ def save(path: str, store, optimizers, extra: dict) -> None:
                 opt_state.append((f"{plan.name}/{key}", t))
         write_safetensors(os.path.join(tmp, "master.safetensors"), master)
         write_safetensors(os.path.join(tmp, "optimizer.safetensors"), opt_state)
+        _fsync_dir(tmp)
         old = f"{path}.old-{os.getpid()}"
         if os.path.exists(path):
             os.replace(path, old)

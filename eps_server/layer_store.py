@@ -38,11 +38,15 @@ class LayerStore:
         self._regions: list[Region] = []
         self._grad_regions: dict[int, Region] = {}
         self._stash_regions: dict[int, Region] = {}
-        self.master_region = self._create("master", self.layout.nbytes("float32"))
-        self.compute_region = (
-            None if compute_dtype == "float32"
-            else self._create("compute", self.layout.nbytes(compute_dtype)))
-        self.versions_region = self._create("versions", 8 * len(self.layout.layers))
+        try:
+            self.master_region = self._create("master", self.layout.nbytes("float32"))
+            self.compute_region = (
+                None if compute_dtype == "float32"
+                else self._create("compute", self.layout.nbytes(compute_dtype)))
+            self.versions_region = self._create("versions", 8 * len(self.layout.layers))
+        except BaseException:
+            self.close()  # no region left behind by a store that could not be made
+            raise
         self._version_board = self.versions_region.tensor(torch.int64)
         self._version_board.fill_(-1)
         self._master = self.master_region.tensor(torch.float32)

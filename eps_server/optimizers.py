@@ -6,10 +6,10 @@ contiguous span. So an update is a few calls over whole spans, never a Python lo
 model's tensors. State is created explicitly (zeros) when the optimizer is built, as a fresh
 torch optimizer would have it, in the EPS process.
 
-``cfg`` is read once per step, so the server may swap it (runtime hyperparameter changes)
-between steps. ``step(t, lr, grad_scale)``: apply update t (0-based) with learning rate ``lr``
-to the gradient divided by ``grad_scale`` (the fp16 loss scale and the clipping coefficient,
-folded into one number), and refresh the compute copy:
+``step(t, lr, grad_scale, cfg)``: apply update t (0-based) with learning rate ``lr`` to the
+gradient divided by ``grad_scale`` (the fp16 loss scale and the clipping coefficient, folded
+into one number), with the settings ``cfg`` (read once per update by the server, so a runtime
+change never mixes old and new values within one), and refresh the compute copy:
 - AdamW runs torch's fused kernel chunk by chunk and writes each chunk's compute copy while the
   chunk is still in cache (one sweep over memory instead of two);
 - LAMB and SGD update whole spans, then copy (a second, cheaper sweep).
@@ -43,7 +43,8 @@ class LayerOptimizer:
     def decay(self, group: str, cfg: OptimizerConfig | None = None) -> float:
         return (cfg or self.cfg).weight_decay if group == "decay" else 0.0
 
-    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, t: int, lr: float, grad_scale: float = 1.0,
+             cfg: OptimizerConfig | None = None) -> None:
         raise NotImplementedError
 
     def publish(self) -> None:
@@ -73,8 +74,9 @@ class AdamW(LayerOptimizer):
         self.steps = torch.zeros((), dtype=torch.float32)
         self.chunk = chunk
 
-    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
-        c = self.cfg
+    def step(self, t: int, lr: float, grad_scale: float = 1.0,
+             cfg: OptimizerConfig | None = None) -> None:
+        c = cfg or self.cfg
         self.steps += 1
         scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
         chunk = self.chunk if self.compute is not None else max(1, self.master.numel())
@@ -108,10 +110,11 @@ class Lamb(LayerOptimizer):
         self.ends = self.starts + np.array([s.numel for s in self.plan.tensors], dtype=np.int64)
         self.decays = np.array([s.group == "decay" for s in self.plan.tensors])
 
-    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, t: int, lr: float, grad_scale: float = 1.0,
+             cfg: OptimizerConfig | None = None) -> None:
         if not lamb_kernels.available():
-            return self._step_torch(t, lr, grad_scale)
-        c, f = self.cfg, np.float32
+            return self._step_torch(t, lr, grad_scale, cfg or self.cfg)
+        c, f = cfg or self.cfg, np.float32
         self.steps += 1
         n = float(self.steps)
         bc1, bc2 = f(1 - c.beta1 ** n), f(1 - c.beta2 ** n)
@@ -127,8 +130,7 @@ class Lamb(LayerOptimizer):
         lamb_kernels.apply(x, r, self.starts, self.ends, (lr * ratio).astype(f))
         self.publish()
 
-    def _step_torch(self, t: int, lr: float, grad_scale: float) -> None:
-        c = self.cfg
+    def _step_torch(self, t: int, lr: float, grad_scale: float, c: OptimizerConfig) -> None:
         self.steps += 1
         n = float(self.steps)
         g = self.grad if grad_scale == 1.0 else self.grad / grad_scale
@@ -162,8 +164,9 @@ class Sgd(LayerOptimizer):
         self.momentum_buffer = torch.zeros_like(self.master) if self.cfg.momentum else None
         self.steps = torch.zeros((), dtype=torch.float32)
 
-    def step(self, t: int, lr: float, grad_scale: float = 1.0) -> None:
-        c = self.cfg
+    def step(self, t: int, lr: float, grad_scale: float = 1.0,
+             cfg: OptimizerConfig | None = None) -> None:
+        c = cfg or self.cfg
         first = int(self.steps) == 0
         self.steps += 1
         for group, start, end in self.spans:

@@ -95,6 +95,7 @@ class EpsServer(Stepping):
         self.tracer = Tracer(cfg.trace, "eps-server")
         self._deferred: dict[int, dict] = {}  # step -> layer -> LayerStats (deferred updates)
         self._hold_from: int | None = None  # updates from this version on wait (checkpointing)
+        self._committed = 0  # highest version an update under way will reach
         self._released: asyncio.Event | None = None
         self._broken: str | None = None
         self._stop: asyncio.Event | None = None
@@ -109,14 +110,22 @@ class EpsServer(Stepping):
     # ------------------------------------------------------------------------- model
 
     def _create_model(self, manifest: Manifest) -> None:
-        store = self.store = LayerStore(manifest, self.run_id, self.cfg.compute_dtype)
-        self.reducer = Reducer(store.layout, self.cfg.world_size)
-        compute = store.compute_region is not None
-        self.optimizers = [
-            make_optimizer(plan, store.master(plan.index), self.reducer.grads[plan.index],
-                           store.compute(plan.index) if compute else None, self.cfg.optimizer)
-            for plan in store.layout.layers]
-        self.updater = Updater(self.cfg, self.reducer, self.optimizers)
+        """Everything the model needs, or nothing (a failure, e.g. shared memory full, leaves
+        the server without a model and without leftover regions)."""
+        store = LayerStore(manifest, self.run_id, self.cfg.compute_dtype)
+        try:
+            reducer = Reducer(store.layout, self.cfg.world_size)
+            compute = store.compute_region is not None
+            optimizers = [
+                make_optimizer(plan, store.master(plan.index), reducer.grads[plan.index],
+                               store.compute(plan.index) if compute else None,
+                               self.cfg.optimizer)
+                for plan in store.layout.layers]
+        except BaseException:
+            store.close()
+            raise
+        self.store, self.reducer, self.optimizers = store, reducer, optimizers
+        self.updater = Updater(self.cfg, reducer, optimizers)
         self.board = VersionBoard(store, gate_on_step=self.cfg.loss_scaling)
         self.locks = [asyncio.Lock() for _ in store.layout.layers]
         log.info("model: %d layers, %.2fM parameters, manifest %s", store.num_layers,
@@ -145,21 +154,23 @@ class EpsServer(Stepping):
         self._stop = asyncio.Event()
         self._released = asyncio.Event()
         self._released.set()
-        if self.cfg.load:
-            await asyncio.get_running_loop().run_in_executor(self.pool, self.load, self.cfg.load)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop during --load still cleans up
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        if self.cfg.save:
+            checkpoint.check_target(self.cfg.save)  # refuse before training, not after
         check_bind(self.cfg.endpoint)
+        if self.cfg.load:
+            await loop.run_in_executor(self.pool, self.load, self.cfg.load)
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         remove_ipc(self.cfg.endpoint)  # a stale socket file from a killed server
         sock.bind(self.cfg.endpoint)
         self.sock = sock
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, self._stop.set)
-            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-                pass
         if ready_line:
             print(f"EPS_READY endpoint={self.cfg.endpoint} run_id={self.run_id} pid={os.getpid()}",
                   flush=True)
@@ -186,10 +197,11 @@ class EpsServer(Stepping):
             self._stop.set()
 
     def close(self) -> None:
-        """Release shared memory and threads (idempotent; also called on abnormal exit)."""
+        """Release threads, then shared memory (idempotent; also called on abnormal exit). A
+        running reduction or update finishes first: its tensors view the regions."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
         if self.store is not None:
             self.store.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
         self.tracer.close()
 
     async def _receive(self) -> None:
@@ -285,7 +297,10 @@ class EpsServer(Stepping):
             if msg.manifest.hash() != msg.manifest_hash:
                 raise RequestError("bad_request", "manifest_hash does not match the manifest",
                                    "manifest_hash")
-            self._create_model(msg.manifest)
+            try:
+                self._create_model(msg.manifest)
+            except (OSError, RuntimeError, ValueError) as e:
+                raise RequestError("internal", f"cannot hold this model: {e}") from None
             self.initialiser_rank = msg.rank
         elif msg.manifest_hash != self.store.manifest_hash:
             head = (f"model mismatch: the server holds {self.store.manifest_hash[:19]}.. "
@@ -297,6 +312,13 @@ class EpsServer(Stepping):
         init_layers = ()
         if msg.rank == self.initialiser_rank:  # a restarted initialiser finishes the job
             init_layers = tuple(i for i, v in enumerate(self.store.versions) if v < 0)
+        grads = None
+        if msg.transport == "shm":  # before any registration: a failure here changes nothing
+            try:
+                region = self.store.grad_region(msg.rank, grad_dtype, self.cfg.grad_slots)
+            except OSError as e:
+                raise RequestError("internal", f"cannot create gradient slots: {e}") from None
+            grads = RegionInfo(name=region.name, nbytes=region.nbytes, dtype=grad_dtype)
         for old_identity, old in list(self.peers.items()):
             if old.rank == msg.rank and old_identity != identity:
                 log.warning("rank %d reconnected (pid %d replaces pid %d)", msg.rank, msg.pid,
@@ -305,10 +327,6 @@ class EpsServer(Stepping):
                 self.board.fail(old_identity, "bad_request", f"rank {msg.rank} was replaced")
         self.peers[identity] = Peer(identity, msg.rank, msg.transport, grad_dtype, msg.pid)
         self.done_ranks.discard(msg.rank)
-        grads = None
-        if msg.transport == "shm":
-            region = self.store.grad_region(msg.rank, grad_dtype, self.cfg.grad_slots)
-            grads = RegionInfo(name=region.name, nbytes=region.nbytes, dtype=grad_dtype)
         log.info("hello from rank %d (pid %d, %s, %s)", msg.rank, msg.pid, msg.host,
                  msg.transport)
         return Welcome(
@@ -487,8 +505,9 @@ class EpsServer(Stepping):
         if msg.done:
             self.done_ranks.add(peer.rank)
         if self.cfg.exit_when_done and len(self.done_ranks) >= self.cfg.world_size:
-            log.info("all %d workers are done; exiting", self.cfg.world_size)
-            asyncio.get_running_loop().call_later(0.05, self._stop.set)
+            log.info("all %d workers are done; exiting once the last updates are in",
+                     self.cfg.world_size)
+            self._spawn(self._stop_when_settled())
         return Ack(req_id=msg.req_id), ()
 
 

@@ -42,9 +42,11 @@ class Stepping:
             self._spawn(self._save_at_boundary(self.cfg.save))
 
     async def _held(self, version: int) -> None:
-        """Wait while a checkpoint holds updates that would start step ``version``+1."""
+        """Wait while a checkpoint holds updates that would start step ``version``+1; then
+        record that an update to ``version``+1 is under way (a checkpoint must wait for it)."""
         while self._hold_from is not None and version >= self._hold_from:
             await self._released.wait()
+        self._committed = max(self._committed, version + 1)
 
     async def _update(self, layer: int, version: int) -> None:
         """Eager: update ``layer`` as soon as every worker's gradient of it is in."""
@@ -61,14 +63,15 @@ class Stepping:
         if len(pending) < self.store.num_layers:
             return
         del self._deferred[version]
-        divisor = self.updater.deferred_plan(pending, version)
+        cfg = self.cfg.optimizer  # one setting for the whole step, whatever SetHyper does
+        divisor = self.updater.deferred_plan(pending, version, cfg)
         await self._held(version)
         for lay in range(self.store.num_layers):  # layer 0 first: the next step starts there
             if divisor is None:
                 self._finish(lay, version)
             else:
                 self._spawn(self._guarded(lay, version, self.updater.apply, lay, version,
-                                          divisor))
+                                          divisor, cfg))
 
     async def _guarded(self, layer: int, version: int | None, fn, *args):
         """Run ``fn`` on a math thread under the layer's lock; then, if ``version`` is given,
@@ -107,7 +110,9 @@ class Stepping:
         until every layer has reached the same version, write, release."""
         while self._hold_from is not None:  # one checkpoint at a time
             await self._released.wait()
-        target = max(self.store.versions)
+        # The boundary: what every layer has reached, or will once the updates already
+        # under way finish (they cannot be held back any more).
+        target = max(max(self.store.versions), self._committed)
         self._hold_from = target
         self._released.clear()
         try:
@@ -123,13 +128,30 @@ class Stepping:
             self._hold_from = None
             self._released.set()
 
+    async def _stop_when_settled(self, timeout: float = 60.0) -> None:
+        """Stop once no update is pending or running and every layer has the same version (the
+        last step's updates finish before the final checkpoint is written)."""
+        def settled() -> bool:
+            return not self.board.updating and min(self.store.versions) == max(
+                self.store.versions)
+
+        if self.store is not None:
+            try:
+                async with self.board.changed:
+                    await asyncio.wait_for(self.board.changed.wait_for(settled), timeout)
+            except asyncio.TimeoutError:
+                log.warning("the last step's updates did not finish within %.0f s", timeout)
+        await asyncio.sleep(0.05)  # let the last replies (Bye's Ack) go out
+        self._stop.set()
+
     async def _shutdown_save(self) -> None:
         if not self.cfg.save or self.store is None or not self.store.initialised:
             return
-        if min(self.store.versions) != max(self.store.versions):
-            log.warning("exiting mid-step (layer versions %d..%d): not saving a mixed state; "
-                        "the last checkpoint stands", min(self.store.versions),
-                        max(self.store.versions))
+        if self.board.updating or min(self.store.versions) != max(self.store.versions):
+            log.warning("exiting mid-step (layer versions %d..%d, %d updates pending): not "
+                        "saving a mixed state; the last checkpoint stands",
+                        min(self.store.versions), max(self.store.versions),
+                        len(self.board.updating))
             return
         await self._math(checkpoint.save, self.cfg.save, self.store, self.optimizers,
                          self._checkpoint_extra())
@@ -151,6 +173,10 @@ class Stepping:
 
     async def on_save(self, identity: bytes, msg: Save, frames):
         self._control(identity)
+        try:
+            checkpoint.check_target(msg.path)
+        except ValueError as e:
+            raise RequestError("bad_request", str(e), "path") from None
         if self.store is None or not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
         await self._save_at_boundary(msg.path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ServerConfig
+from .config import OptimizerConfig, ServerConfig
 from .reducer import all_finite
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -74,22 +74,23 @@ class Updater:
         still sees every layer's."""
         return self.stats(layer, norm=True)
 
-    def apply(self, layer: int, t: int, grad_scale: float) -> None:
-        opt = self.optimizers[layer]
-        opt.step(t, lr=opt.cfg.lr_at(t), grad_scale=grad_scale)
+    def apply(self, layer: int, t: int, grad_scale: float, cfg: OptimizerConfig) -> None:
+        self.optimizers[layer].step(t, lr=cfg.lr_at(t), grad_scale=grad_scale, cfg=cfg)
 
     def eager(self, layer: int, t: int) -> bool:
         """Update one layer now; False if its gradient overflowed and the update was skipped."""
-        clip = self.optimizers[layer].cfg.clip_norm  # read once: SetHyper may swap settings
-        s = self.stats(layer, norm=bool(clip))
+        cfg = self.optimizers[layer].cfg  # read once: SetHyper may swap the settings meanwhile
+        s = self.stats(layer, norm=bool(cfg.clip_norm))
         if not s.finite:
             self.overflow_steps.add(t)
             self.skipped_updates += 1
             return False
-        self.apply(layer, t, self.scaler.scale / self._clip(math.sqrt(s.norm_sq), clip))
+        self.apply(layer, t, self.scaler.scale / self._clip(math.sqrt(s.norm_sq),
+                                                            cfg.clip_norm), cfg)
         return True
 
-    def deferred_plan(self, stats: dict[int, LayerStats], t: int) -> float | None:
+    def deferred_plan(self, stats: dict[int, LayerStats], t: int, cfg: OptimizerConfig
+                      ) -> float | None:
         """The whole step's decision: None to skip every layer (overflow), else the gradient
         divisor (loss scale over the global clipping coefficient)."""
         if not all(s.finite for s in stats.values()):
@@ -97,7 +98,7 @@ class Updater:
             self.skipped_updates += len(stats)
             return None
         total = math.sqrt(sum(s.norm_sq for s in stats.values()))
-        return self.scaler.scale / self._clip(total, self.optimizers[0].cfg.clip_norm)
+        return self.scaler.scale / self._clip(total, cfg.clip_norm)
 
     def _clip(self, scaled_norm: float, clip: float) -> float:
         """Clipping coefficient for a (loss-scaled) gradient norm."""

@@ -58,14 +58,15 @@ class Launcher:
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1,
+                                errors="replace",  # an odd byte must not kill the reader
                                 start_new_session=True)  # Ctrl-C reaches only the launcher
         child = Child(name, proc)
+        self.children.append(child)  # registered first: stop_all must see it whatever happens
         for stream, is_out in ((proc.stdout, True), (proc.stderr, False)):
             t = threading.Thread(target=self._pump, args=(name, stream, is_out and parse_events,
                                                           is_out), daemon=True)
             t.start()
             child.threads.append(t)
-        self.children.append(child)
         return child
 
     def _pump(self, name: str, stream, parse_events: bool, is_out: bool) -> None:
@@ -121,9 +122,13 @@ class Launcher:
             self.failure = self.failure or "interrupted"
             return 130
         finally:
-            self.stop_all()
-            for s, h in old.items():
-                signal.signal(s, h)
+            for s in old:  # a second Ctrl-C must not cut the clean-up short
+                signal.signal(s, signal.SIG_IGN)
+            try:
+                self.stop_all()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
 
     def _on_signal(self, signum, frame) -> None:
         self.failure = f"stopped by signal {signal.Signals(signum).name}"

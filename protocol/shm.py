@@ -50,6 +50,12 @@ class Region:
             os.fchmod(fd, 0o600)  # independent of umask
             if nbytes:
                 os.ftruncate(fd, nbytes)
+                try:  # reserve now: a full /dev/shm is an error here, not a SIGBUS later
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot reserve {nbytes} bytes of shared memory "
+                                  f"for {name!r} ({e.strerror}); /dev/shm is too small (in "
+                                  "Docker, raise shm_size)") from None
                 mm = mmap.mmap(fd, nbytes)
             else:
                 mm = mmap.mmap(-1, 1)  # mmap cannot map 0 bytes; nothing is shared
@@ -89,8 +95,9 @@ class Region:
                 pass
 
     def close(self) -> None:
-        """Unmap. Tensors viewing the region must be gone; if some are still alive the mapping
-        stays until they are (it is freed at exit), which is harmless."""
+        """Unmap, unless tensors still view the region: then the mapping stays until they are
+        gone (mmap refuses while the memoryview behind them is exported), never unmapped
+        under a live view."""
         self._base = None
         try:
             self._mm.close()
@@ -106,7 +113,9 @@ class Region:
             with warnings.catch_warnings():
                 # frombuffer warns on read-only buffers; read-only mappings are never written.
                 warnings.simplefilter("ignore", UserWarning)
-                self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+                # Through a memoryview: torch.frombuffer(mmap) does not keep the buffer exported,
+                # so mmap.close() would unmap under live tensors.
+                self._base = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8)
         return self._base
 
     def tensor(self, dtype: torch.dtype, offset_elems: int = 0, numel: int | None = None

@@ -149,3 +149,9 @@ def test_streaming_safetensors_reads_back(tmp_path):
     for name, t in items:
         assert torch.equal(got[name], t)
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
+def test_a_region_larger_than_shared_memory_is_refused_cleanly(region_name):
+    with pytest.raises(OSError, match="shared memory"):
+        Region.create(region_name, 1 << 50)  # reserved up front: no SIGBUS on first touch
+    assert region_name not in list_regions(region_name)

@@ -281,3 +281,15 @@ def test_a_restarted_initialiser_sends_only_the_missing_layers(server):
         assert b.status().versions == (0, 0, 0)
     finally:
         b.close()
+
+
+def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(client, tmp_path):
+    bootstrap(client)
+    precious = tmp_path / "project"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    refused(lambda: client.save(str(precious)), "bad_request", "path")
+    assert (precious / "notes.txt").read_text() == "keep me"
+    client.save(str(tmp_path / "ckpt"))
+    client.save(str(tmp_path / "ckpt"))  # a checkpoint is replaced by the next one
+    assert (tmp_path / "ckpt" / "state.json").exists()

@@ -89,3 +89,15 @@ def test_l2l_equals_plain_pytorch_four_workers_deeper(cluster, tmp_path):
     want = train_resident(ModelConfig(model="gpt", **{**SMALL_CFG, "layers": 6}), steps=10,
                           global_micro_batches=4, batch_size=4, lr=1e-3)
     assert_close(load_file(str(out)), want)
+
+
+@pytest.mark.parametrize("update", ["eager", "deferred"])
+def test_final_checkpoint_holds_the_last_step(cluster, tmp_path, update):
+    """The EPS exits after the workers' Bye only once the last updates are in, so its final
+    checkpoint is the last step (not skipped as "mid-step"), in both update modes."""
+    ckpt = tmp_path / "ckpt"
+    cluster.run_job(2, *SMALL, "--steps", "3",
+                    server_args=("--server-save", str(ckpt), "--update", update))
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 3 and set(state["versions"]) == {3}
+    assert "mid-step" not in cluster.log(cluster.server)

@@ -110,12 +110,12 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
         done = True
     finally:
         memory.close()
+        if welcome is not None:  # the EPS drops this worker's waiting Fetches
+            client.bye(cfg.rank, done=done)
+        client.close()  # fails whatever is still pending, so helper threads can finish
         if source is not None:
             source.close()
         tracer.close()
-        if welcome is not None:
-            client.bye(cfg.rank, done=done)
-        client.close()
     samples = sum(r.samples for r in results)
     summary = {
         "rank": cfg.rank, "world_size": cfg.world_size, "device": str(device), "pid": os.getpid(),

@@ -13,11 +13,32 @@ host memory the compute can read directly, so the private original can be freed 
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from .streams import Streams
 
 ENTRY_ALIGN = 256
+
+
+class _InFlight:
+    """Device tensors whose copy out runs on a side stream: each is kept alive until its copy
+    is done (the caching allocator would otherwise hand its memory to the compute stream,
+    which the side-stream copy is not ordered against)."""
+
+    def __init__(self):
+        self._q: deque = deque()
+
+    def add(self, event, tensor: torch.Tensor) -> None:
+        self._q.append((event, tensor))
+        while self._q and self._q[0][0].query():
+            self._q.popleft()
+
+    def clear(self) -> None:
+        for event, _ in self._q:
+            event.synchronize()
+        self._q.clear()
 
 
 class DeviceStash:
@@ -43,6 +64,7 @@ class HostStash:
         self.streams = streams
         self._host: dict[tuple[int, int], torch.Tensor] = {}
         self._copied: dict[tuple[int, int], object] = {}
+        self._inflight = _InFlight()
 
     def put(self, layer: int, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
         key = (layer, micro_batch)
@@ -54,6 +76,7 @@ class HostStash:
             self.streams.wait(produced, self.streams.d2h)
             host.copy_(x, non_blocking=True)
             self._copied[key] = self.streams.event(self.streams.d2h)
+        self._inflight.add(self._copied[key], x)
         return x
 
     def pop(self, layer: int, micro_batch: int) -> torch.Tensor:
@@ -63,6 +86,7 @@ class HostStash:
 
     def clear(self) -> None:
         self._copied.clear()
+        self._inflight.clear()
 
 
 class EpsStash:
@@ -79,6 +103,7 @@ class EpsStash:
         self.region = None
         self.entry_bytes = 0
         self._stored: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
+        self._inflight = _InFlight()
 
     def _slot(self, layer: int, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
@@ -105,6 +130,7 @@ class EpsStash:
             self.streams.wait(produced, self.streams.d2h)
             slot.copy_(x, non_blocking=True)
             self._stored[layer, micro_batch] = (slot, self.streams.event(self.streams.d2h))
+        self._inflight.add(self._stored[layer, micro_batch][1], x)
         return x
 
     def pop(self, layer: int, micro_batch: int) -> torch.Tensor:
@@ -116,6 +142,8 @@ class EpsStash:
 
     def clear(self) -> None:
         self._stored.clear()
+        if self.streams.cuda:
+            self._inflight.clear()
 
 
 STASHES = ("device", "host", "eps")

@@ -53,6 +53,8 @@ class Regions:
         return region
 
     def close(self) -> None:
+        if self._pinned:
+            torch.cuda.synchronize()  # no copy may still be reading or writing a mapping
         for base in self._pinned:
             unregister_host(base)
         self._pinned.clear()
