@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from protocol import codec
 from protocol.messages import (
     ERROR_CODES,
-    PROTOCOL_VERSION,
     REGISTRY,
     Ack,
     ArenaReady,
@@ -200,7 +199,3 @@ def test_encode_checks_frame_count():
 def test_peek_req_id():
     assert codec.peek_req_id([b"\x06", body(req_id=42, layer="bad")]) == 42
     assert codec.peek_req_id([b"\x06", b"\xc1"]) == 0
-
-
-def test_version_constant():
-    assert isinstance(PROTOCOL_VERSION, int) and PROTOCOL_VERSION >= 1
