@@ -51,12 +51,20 @@ def steady_step_seconds(summary: dict, warmup: int) -> float:
     return median([max(steps) for steps in zip(*per_worker)])
 
 
-def timed_steps(step_fn, steps: int, warmup: int) -> float:
+def sync(device) -> None:
+    """Wait for queued device work (CUDA kernels are asynchronous)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step_fn, steps: int, warmup: int, device="cpu") -> float:
     """Median seconds of ``step_fn(i)`` over ``steps`` calls after ``warmup`` calls."""
     times = []
     for i in range(warmup + steps):
+        sync(device)
         t0 = time.perf_counter()
         step_fn(i)
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return median(times)

@@ -22,9 +22,9 @@ class LocalSource:
     """A layer source with all weights resident and the optimizer run in-process, right after
     each layer's backward (the same eager per-layer update as the EPS, without overlap)."""
 
-    def __init__(self, model, layout: Layout, opt: OptimizerConfig):
-        self.flats = [model.init_flat(p.index, p) for p in layout.layers]
-        self.grads = [torch.zeros(p.numel) for p in layout.layers]
+    def __init__(self, model, layout: Layout, opt: OptimizerConfig, device="cpu"):
+        self.flats = [model.init_flat(p.index, p).to(device) for p in layout.layers]
+        self.grads = [torch.zeros(p.numel, device=device) for p in layout.layers]
         self.opts = [make_optimizer(p, f, g, None, opt) for p, f, g in
                      zip(layout.layers, self.flats, self.grads)]
         self.lr = opt.lr
@@ -55,21 +55,22 @@ class LocalSource:
 
 
 def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
-                           steps: int, warmup: int, lr: float = 1e-3) -> float:
+                           steps: int, warmup: int, lr: float = 1e-3, device="cpu") -> float:
     model = build_model(mcfg)
     layout = plan_layout(model.manifest())
-    source = LocalSource(model, layout, OptimizerConfig(lr=lr))
+    source = LocalSource(model, layout, OptimizerConfig(lr=lr), device)
     sharder = Sharder(build_task(mcfg), batch_size, micro_batches)
-    ex = Executor(model, layout, source, sharder, device=torch.device("cpu"),
+    ex = Executor(model, layout, source, sharder, device=torch.device(device),
                   micro_batches=range(micro_batches), steps=warmup + steps,
                   dropout=mcfg.dropout, seed=mcfg.seed)
-    return timed_steps(ex.run_step, steps, warmup)
+    return timed_steps(ex.run_step, steps, warmup, device)
 
 
 def resident_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
-                          steps: int, warmup: int, checkpoint: bool, lr: float = 1e-3) -> float:
+                          steps: int, warmup: int, checkpoint: bool, lr: float = 1e-3,
+                          device="cpu") -> float:
     """All layers resident, gradient accumulation over the micro-batches, fused AdamW."""
-    net = build_model(mcfg).assemble().train()
+    net = build_model(mcfg).assemble().train().to(device)
     groups: dict[str, list] = {"decay": [], "no_decay": []}
     for name, p in net.named_parameters():
         groups[param_group(name, p)].append(p)
@@ -81,8 +82,9 @@ def resident_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: 
     def step(i: int) -> None:
         opt.zero_grad(set_to_none=False)
         for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
-            loss, _ = net(batch, rng=(mcfg.seed, i, index), checkpoint=checkpoint)
+            loss, _ = net(batch.to(torch.device(device)), rng=(mcfg.seed, i, index),
+                          checkpoint=checkpoint)
             loss.backward()
         opt.step()
 
-    return timed_steps(step, steps, warmup)
+    return timed_steps(step, steps, warmup, device)

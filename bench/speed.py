@@ -33,6 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=6, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the worker gets cuda:0)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every configuration's compute (worker or baseline)")
 
@@ -46,7 +47,7 @@ def model_argv(a, micro_batches: int) -> list[str]:
     return ["--model", a.model, "--layers", str(a.layers), "--hidden", str(a.hidden),
             "--heads", str(a.heads), "--seq-len", str(a.seq_len), "--vocab", "1024",
             "--micro-batch-size", str(a.micro_batch_size), "--micro-batches",
-            str(micro_batches), "--threads", str(a.threads)]
+            str(micro_batches), "--threads", str(a.threads), "--device", a.device]
 
 
 def l2l_seconds(a, micro_batches: int, extra=()) -> float:
@@ -59,9 +60,11 @@ def throughput(a) -> dict:
     m, u, b = model_cfg(a), a.micro_batches, a.micro_batch_size
     samples = u * b
     plain = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
-                                  warmup=a.warmup, checkpoint=False)
+                                  warmup=a.warmup, checkpoint=False,
+                                  device=a.device)
     ckpt = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
-                                 warmup=a.warmup, checkpoint=True)
+                                 warmup=a.warmup, checkpoint=True,
+                                 device=a.device)
     l2l = l2l_seconds(a, u)
     rows = [["resident (plain)", plain, samples / plain, 1.0],
             ["resident + activation checkpointing", ckpt, samples / ckpt, plain / ckpt],
@@ -80,7 +83,7 @@ def overlap(a) -> dict:
     torch.set_num_threads(a.threads)
     m, u, b = model_cfg(a), a.micro_batches, a.micro_batch_size
     local = local_l2l_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
-                                   warmup=a.warmup)
+                                   warmup=a.warmup, device=a.device)
     l2lp = l2l_seconds(a, u)
     sync = l2l_seconds(a, u, extra=["--no-overlap"])
     rows = [["same loop, weights local, optimizer in-process", local, 0.0],
@@ -103,7 +106,8 @@ def innerloop(a) -> dict:
     for u in (1, 2, 4, 8):
         l2l = l2l_seconds(a, u)
         plain = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
-                                      warmup=a.warmup, checkpoint=False)
+                                      warmup=a.warmup, checkpoint=False,
+                                  device=a.device)
         out[u] = {"l2l_samples_per_sec": u * b / l2l, "resident_samples_per_sec": u * b / plain}
         rows.append([u, u * b / l2l, u * b / plain, plain / l2l])
     return {
