@@ -192,10 +192,6 @@ class EpsServer(Stepping):
             remove_ipc(self.cfg.endpoint)
             self.close()
 
-    def stop(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-
     def close(self) -> None:
         """Release threads, then shared memory (idempotent; also called on abnormal exit). A
         running reduction or update finishes first: its tensors view the regions."""

@@ -48,7 +48,6 @@ class Launcher:
         self.progress: list[dict] = []
         self._ready = threading.Event()
         self._lock = threading.Lock()
-        self._stopping = False
         self.failure: str | None = None
         self.eps_stats: dict = {}
 

@@ -31,7 +31,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # Optimizer groups, in layout order. "no_decay" is for biases, norms and embeddings' norms.
 GROUPS = ("decay", "no_decay")
@@ -227,7 +226,3 @@ def views(flat: torch.Tensor, plan: LayerPlan) -> list[torch.Tensor]:
     """Per-tensor views (manifest order) of one layer's flat buffer."""
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors]
 
-
-def group_view(flat: torch.Tensor, plan: LayerPlan, group: str) -> torch.Tensor:
-    start, end = plan.groups[group]
-    return flat[start:end]

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from eps_server import lamb_kernels
 from eps_server.config import OptimizerConfig
 from eps_server.optimizers import make_optimizer
 from eps_server.schedules import lr_at
@@ -98,7 +99,10 @@ def lamb_reference(params, grads_seq, lr, b1, b2, eps, wd_of):
     return xs
 
 
-def test_lamb_matches_the_paper():
+@pytest.mark.parametrize("kernels", [True, False], ids=["numba", "torch-fallback"])
+def test_lamb_matches_the_paper(kernels, monkeypatch):
+    if not kernels:
+        monkeypatch.setattr(lamb_kernels, "available", lambda: False)
     cfg = OptimizerConfig(name="lamb", lr=1e-2, weight_decay=0.01, beta1=0.9, beta2=0.999,
                           eps=1e-6)
     master, grad, _ = flat_layer()

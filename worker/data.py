@@ -8,8 +8,6 @@ an uninterrupted one.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .config import ModelConfig
@@ -102,6 +100,3 @@ class Sharder:
     def batches(self, step: int, indices) -> list[Batch]:
         return [self.task.micro_batch(step, i, self.size, self.norm) for i in indices]
 
-
-def chance_loss(cfg: ModelConfig) -> float:
-    return math.log(cfg.classes if cfg.model == "bert" else cfg.vocab)

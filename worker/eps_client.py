@@ -26,10 +26,8 @@ from protocol.messages import (
     Bye,
     Error,
     Fetch,
-    GradAck,
     Hello,
     InitLayer,
-    LayerReady,
     Message,
     PushGrad,
     Save,
@@ -210,6 +208,3 @@ class EpsClient:
             if not fut.done():
                 fut.set_exception(exc)
 
-
-__all__ = ["EpsClient", "EpsError", "EpsDisconnected", "Ack", "GradAck", "LayerReady",
-           "StatusReply", "Welcome"]
