@@ -1,0 +1,145 @@
+"""Typed events from eps-server and l2l-worker to whoever started them (l2l-launch, tests).
+
+A process started with ``--events TARGET`` writes one JSON object per line to TARGET: a file
+path, or ``fd:N``, a pipe whose write end the parent passed down (l2l-launch does). Each line is
+``{"event": KIND, ...fields}``; ``decode`` rebuilds the typed event and refuses anything else.
+Logs stay logs: nothing here is parsed out of stdout or stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import ClassVar
+
+EVENTS: dict[str, type] = {}
+
+
+def event(kind: str):
+    def wrap(cls):
+        cls = dataclass(frozen=True, kw_only=True)(cls)
+        cls.KIND = kind
+        EVENTS[kind] = cls
+        return cls
+
+    return wrap
+
+
+@event("ready")
+class Ready:
+    """The EPS accepts workers."""
+
+    KIND: ClassVar[str]
+    endpoint: str
+    run_id: str
+    pid: int
+
+
+@event("step")
+class StepDone:
+    """A worker finished a step. ``loss`` is this worker's share of the global mean loss
+    (shares add up across workers); ``count`` its loss terms (samples or tokens)."""
+
+    KIND: ClassVar[str]
+    rank: int
+    step: int
+    loss: float
+    correct: int
+    count: int
+    samples: int
+    seconds: float
+
+
+@event("stats")
+class ServerStats:
+    """The EPS's statistics (its EpsStats snapshot), sent when it stops."""
+
+    KIND: ClassVar[str]
+    stats: dict
+
+
+def encode(ev) -> str:
+    return json.dumps({"event": ev.KIND, **dataclasses.asdict(ev)})
+
+
+def decode(line: str):
+    """The typed event of one line; ValueError for anything malformed."""
+    obj = json.loads(line)
+    if not isinstance(obj, dict) or obj.get("event") not in EVENTS:
+        raise ValueError(f"not an event: {line[:80]!r}")
+    cls = EVENTS[obj.pop("event")]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if set(obj) != set(fields):
+        raise ValueError(f"{cls.KIND} event with fields {sorted(obj)}, expected {sorted(fields)}")
+    for name, value in obj.items():
+        want = {"int": int, "float": (int, float), "str": str, "dict": dict}[fields[name].type]
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ValueError(f"{cls.KIND}.{name}: expected {fields[name].type}")
+    return cls(**obj)
+
+
+class EventWriter:
+    """Writes events to ``target`` ("" writes nothing). Safe to call from any thread."""
+
+    def __init__(self, target: str = ""):
+        self._lock = threading.Lock()
+        self._file = None
+        if target.startswith("fd:"):
+            self._file = os.fdopen(int(target[3:]), "w", buffering=1)
+        elif target:
+            self._file = open(target, "a", buffering=1)
+
+    def emit(self, ev) -> None:
+        if self._file is None:
+            return
+        with self._lock:
+            try:
+                self._file.write(encode(ev) + "\n")
+            except (OSError, ValueError):  # the reader went away: events are best effort
+                self._file = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+                self._file = None
+
+
+def read_events(path: str) -> list:
+    """Every well-formed event in a file (tests, tools)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(decode(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return out
+
+
+
+def wait_for(path: str, kind: type, proc=None, timeout: float = 60.0):
+    """The first event of type ``kind`` in the file ``path``, waiting up to ``timeout`` s;
+    RuntimeError if ``proc`` (a Popen) exits first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for ev in read_events(path):
+            if isinstance(ev, kind):
+                return ev
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with status {proc.returncode} before "
+                               f"{kind.KIND}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {kind.KIND} event in {path} within {timeout:.0f} s")
+        time.sleep(0.05)
