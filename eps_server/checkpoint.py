@@ -32,7 +32,9 @@ FORMAT = 1
 def manifest_to_json(m: Manifest) -> dict:
     return {"layers": [{"name": la.name, "kind": la.kind,
                         "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
-                                     "group": t.group} for t in la.tensors]}
+                                     "group": t.group,
+                                     **({"tie": list(t.tie)} if t.tie is not None else {})}
+                                    for t in la.tensors]}
                        for la in m.layers],
             "meta": dict(m.meta)}
 
@@ -41,7 +43,8 @@ def manifest_from_json(d: dict) -> Manifest:
     return Manifest(
         layers=tuple(LayerSpec(name=la["name"], kind=la["kind"], tensors=tuple(
             TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
-                       group=t["group"]) for t in la["tensors"])) for la in d["layers"]),
+                       group=t["group"], tie=tuple(t["tie"]) if t.get("tie") else None)
+            for t in la["tensors"])) for la in d["layers"]),
         meta=d.get("meta", {}))
 
 

@@ -1,48 +1,58 @@
-"""Configuration of the Eager Param-Server, one kw-only dataclass per component."""
+"""Configuration of the Eager Param-Server, one kw-only dataclass per component.
+
+Each field's docstring is its --help text (``protocol.cli`` builds eps-server's and
+l2l-launch's options from these classes); ``__post_init__`` validates.
+"""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
 from protocol.endpoints import default_endpoint
 
-from .schedules import SCHEDULES, lr_at
+from .schedules import lr_at
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-OPTIMIZERS = ("adamw", "lamb", "sgd")
-UPDATES = ("eager", "deferred")
 
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
     """Per-layer optimizer run by the EPS on the fp32 master."""
 
-    name: str = "adamw"
+    name: Literal["adamw", "lamb", "sgd"] = field(default="adamw",
+                                                  metadata={"flag": "--optimizer"})
     """adamw (torch's fused kernel), lamb (per-tensor trust ratio) or sgd (momentum)."""
     lr: float = 1e-3
     """Base learning rate (the schedule scales it)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay for the "decay" group; the "no_decay" group (biases, norms) gets 0."""
+    """Decoupled (AdamW, LAMB) or L2 (SGD) weight decay; biases and norms get none."""
     beta1: float = 0.9
+    """AdamW/LAMB: decay rate of the first-moment (mean) estimate."""
     beta2: float = 0.999
-    eps: float = 1e-8
+    """AdamW/LAMB: decay rate of the second-moment (variance) estimate."""
+    eps: float = field(default=1e-8, metadata={"flag": "--adam-eps"})
+    """AdamW/LAMB: added to the root of the second moment, for numerical stability."""
     momentum: float = 0.0
-    """SGD momentum."""
-    schedule: str = "constant"
-    """Learning-rate schedule after warm-up: constant, linear or cosine (see schedules.py)."""
+    """SGD momentum (0: plain SGD; fixed for the run)."""
+    schedule: Literal["constant", "linear", "cosine"] = field(
+        default="constant", metadata={"flag": "--lr-schedule"})
+    """Learning-rate schedule after the warm-up: constant, linear or cosine decay."""
     warmup_steps: int = 0
+    """Linear warm-up over this many updates (steps)."""
     total_steps: int = 0
-    """Where linear/cosine decay reaches ``min_lr_ratio`` x lr."""
+    """Step at which a linear/cosine decay reaches min_lr_ratio x lr."""
     min_lr_ratio: float = 0.0
+    """Floor of the decay, as a fraction of lr."""
     clip_norm: float = 0.0
-    """Gradient clipping (0: off). Eager updates clip each layer's gradient norm; deferred
-    updates clip the global norm over all layers (as torch.nn.utils.clip_grad_norm_)."""
+    """Clip gradients to this norm (0: off). Eager updates clip each layer's gradient norm;
+    deferred updates clip the global norm over all layers (as torch.nn.utils.clip_grad_norm_)."""
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        if self.name not in ("adamw", "lamb", "sgd"):
+            raise ValueError(f"optimizer must be adamw, lamb or sgd, got {self.name!r}")
         for key, value in asdict(self).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{key} must be finite")
@@ -50,8 +60,8 @@ class OptimizerConfig:
             raise ValueError("lr and weight_decay must be >= 0, eps > 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.momentum < 1):
             raise ValueError("beta1, beta2 and momentum must be in [0, 1)")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError("schedule must be constant, linear or cosine")
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ValueError("a decaying schedule needs total_steps > warmup_steps")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or not self.clip_norm >= 0:
@@ -71,36 +81,43 @@ class ServerConfig:
     """The eps-server process."""
 
     endpoint: str = field(default_factory=default_endpoint)
-    """ZeroMQ endpoint to bind: ipc:///path (default, per-user 0700 dir) or tcp://127.0.0.1:P."""
+    """ZeroMQ endpoint to bind: ipc:///path (per-user 0700 directory) or tcp://127.0.0.1:PORT."""
     world_size: int = 1
     """Number of workers whose gradients make up one step."""
-    precision: str = "fp32"
-    """Compute precision served to workers: fp32 | bf16 | fp16. The master is always fp32."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision served to the workers. The master and optimizer state are fp32."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    threads: int = 1
-    """Threads for reduction and update (torch intra-op threads and the math thread pool)."""
-    grad_slots: int = 2
-    """Gradient slots per worker in shared memory (layers whose reduction may be in flight)."""
-    run_id: str = ""
-    """Names this run's shared-memory regions (l2l-<run_id>-...); random when empty."""
-    load: str = ""
-    """Checkpoint directory to resume from (manifest, master, optimizer state, step)."""
-    save: str = ""
-    """Checkpoint directory written when the server exits cleanly."""
-    checkpoint_every: int = 0
-    """Also save to ``save`` every N completed steps (0: only at exit)."""
-    exit_when_done: bool = False
-    """Exit once all world_size workers said Bye(done=True)."""
-    trace: str = ""
-    """Write a Chrome/Perfetto trace (reduce, update, checkpoint spans) here at exit."""
-    update: str = "eager"
+    update: Literal["eager", "deferred"] = "eager"
     """eager: update each layer as soon as its gradient is reduced (L2Lp overlap; clipping and
     fp16 overflow skips are per layer). deferred: update after the step's last layer arrives,
     with exact global semantics (global-norm clipping, whole-step overflow skip, as in AMP)."""
     loss_scale: float = 2.0 ** 16
     """fp16 only: initial dynamic loss scale."""
     loss_scale_window: int = 1000
-    """fp16 only: double the scale after this many steps without overflow; halve on one."""
+    """fp16 only: double the scale after this many steps without overflow (halve on one)."""
+    threads: int = field(default=1, metadata={"flag": "--server-threads"})
+    """Math engines (threads) for reduction and updates, each owning a shard of the layers;
+    also the EPS's torch intra-op threads."""
+    grad_slots: int = 2
+    """Gradient slots per worker in shared memory (layers whose reduction may be in flight)."""
+    run_id: str = ""
+    """Names this run's shared-memory regions (l2l-<run_id>-...); random when empty."""
+    load: str = ""
+    """Checkpoint directory to resume from (manifest, master, optimizer state, step)."""
+    save: str = field(default="", metadata={"flag": "--server-save"})
+    """Checkpoint directory written when the server exits cleanly (and every
+    checkpoint_every steps)."""
+    checkpoint_every: int = 0
+    """Also checkpoint to --server-save every N completed steps (0: only at exit)."""
+    exit_when_done: bool = False
+    """Exit once all world_size workers said Bye(done=True) and the last updates are in."""
+    trace: str = ""
+    """Write a Chrome/Perfetto trace (reduce, update, checkpoint spans) here at exit."""
+    events: str = ""
+    """Write typed events (ready, final statistics) as JSON lines here: a file path, or fd:N
+    for a pipe inherited from l2l-launch."""
+    log_level: str = "INFO"
+    """Log level on stderr (DEBUG, INFO, WARNING, ERROR)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.world_size <= 4096:
@@ -109,12 +126,12 @@ class ServerConfig:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}")
         if self.threads < 1 or self.grad_slots < 1:
             raise ValueError("threads and grad_slots must be >= 1")
-        if self.update not in UPDATES:
-            raise ValueError(f"update must be one of {UPDATES}")
+        if self.update not in ("eager", "deferred"):
+            raise ValueError("update must be eager or deferred")
         if not self.loss_scale > 0 or self.loss_scale_window < 1:
             raise ValueError("loss_scale must be > 0 and loss_scale_window >= 1")
-        if self.checkpoint_every and not self.save:
-            raise ValueError("checkpoint_every needs a save path")
+        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.save):
+            raise ValueError("checkpoint_every needs a save path (--server-save)")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
 
@@ -126,6 +143,13 @@ class ServerConfig:
     def loss_scaling(self) -> bool:
         """Dynamic loss scaling is on for fp16 compute (bf16 has fp32's range)."""
         return self.precision == "fp16"
+
+
+@dataclass(kw_only=True)
+class ServerArgs:
+    """Everything eps-server takes (the root of its command line and config file)."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
 
 
 # Hyperparameters a running server accepts in SetHyper (the rest would change state layout).

@@ -1,86 +1,62 @@
-"""Layer versions and the Fetches waiting for them (event-loop side, no math).
+"""Layer versions and the Fetches waiting for them (the core's bookkeeping; no I/O, no threads).
 
 ``versions[l]`` counts the updates applied to layer l (-1 before its initial values arrive);
 step t reads version t. A Fetch for (l, v) is answered once the layer has reached v and, when
-the answer must carry step v's fp16 loss scale, once every layer has (step v-1 is complete, so
-the scale is decided). Layers whose update is pending are marked: nobody may read their
-current version any more.
+the answer must carry step v's fp16 loss scale (``gate_on_step``), once every layer has (step
+v-1 is complete, so the scale is decided). Versions are mirrored into the store's shared
+version board, so shm workers see a published version without asking.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
+from typing import Any
+
+from .layer_store import LayerStore
 
 
-class VersionError(Exception):
-    """A waiting Fetch that can no longer be answered (``code`` as in protocol Error)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class _Waiter:
+@dataclass(frozen=True)
+class Waiter:
+    peer: bytes
+    request: Any  # the Fetch
     layer: int
     version: int
-    future: asyncio.Future
-    peer: bytes
 
 
 class VersionBoard:
-    def __init__(self, store, gate_on_step: bool):
+    def __init__(self, store: LayerStore, gate_on_step: bool):
         self.store = store
-        self.versions = store.versions  # read here, written through store.set_version
+        self.versions = store.versions  # written through set() only
         self.gate_on_step = gate_on_step
-        self.updating: set[int] = set()
-        self._waiters: list[_Waiter] = []
-        self.changed = asyncio.Condition()
+        self._waiters: list[Waiter] = []
 
     @property
     def step(self) -> int:
-        """Steps completed by every layer."""
+        """Steps completed by every layer (the lowest version)."""
         return min(self.versions)
 
     def ready(self, layer: int, version: int) -> bool:
         return self.versions[layer] >= version and (not self.gate_on_step
                                                     or self.step >= version)
 
-    async def wait(self, peer: bytes, layer: int, version: int) -> int:
-        if not self.ready(layer, version):
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(_Waiter(layer, version, fut, peer))
-            await fut
-        return self.versions[layer]
+    def wait(self, waiter: Waiter) -> None:
+        self._waiters.append(waiter)
 
     def set(self, layer: int, version: int) -> bool:
-        """Record a layer's new version, answer whoever it unblocks; True if a step completed."""
+        """Record a layer's new version; True if that completed a step (raised the minimum)."""
         before = self.step
         self.store.set_version(layer, version)
-        still = []
-        for w in self._waiters:
-            if w.future.done():
-                continue
-            if self.ready(w.layer, w.version):
-                w.future.set_result(None)
-            else:
-                still.append(w)
-        self._waiters = still
-        asyncio.get_running_loop().create_task(self._notify())
         return self.step > before
 
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+    def answerable(self) -> list[Waiter]:
+        """Remove and return the waiters whose version now exists."""
+        ready = [w for w in self._waiters if self.ready(w.layer, w.version)]
+        if ready:
+            self._waiters = [w for w in self._waiters if not self.ready(w.layer, w.version)]
+        return ready
 
-    async def wait_for_step(self, step: int) -> None:
-        """Until every layer is at exactly ``step`` (a step boundary)."""
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.step == step)
-
-    def fail(self, peer: bytes | None, code: str, message: str) -> None:
-        """Fail the waiting Fetches of ``peer`` (of everyone if None)."""
-        for w in self._waiters:
-            if (peer is None or w.peer == peer) and not w.future.done():
-                w.future.set_exception(VersionError(code, message))
+    def drop(self, peer: bytes | None = None) -> list[Waiter]:
+        """Remove and return the waiters of ``peer`` (of everyone if None)."""
+        gone = [w for w in self._waiters if peer is None or w.peer == peer]
+        self._waiters = [w for w in self._waiters if not (peer is None or w.peer == peer)]
+        return gone

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from .tensors import DTYPES, Manifest
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TensorSpec.tie (tensors shared between layers)
 
 TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
 WHICH = ("compute", "master")  # which copy of a layer a Fetch wants
@@ -307,3 +307,7 @@ class SetHyper(Message):
 @message(17)
 class HyperAck(Message):
     optimizer: dict[str, str | int | float | bool]
+
+
+# What a client may send; everything else is a reply and is refused when it arrives as one.
+REQUESTS = (Hello, InitLayer, Fetch, PushGrad, Save, Status, Bye, StashArena, SetHyper)

@@ -1,0 +1,125 @@
+"""The EPS before it has a model, and where cores come from.
+
+A server started with ``--load`` makes its core from the checkpoint before it listens. Else
+the first worker's Hello carries the model's manifest: the lobby checks it, creates the model
+(every shared-memory region, or none) and hands that Hello to the new core, which registers the
+worker as the *initialiser*. Until then the lobby answers Status and SetHyper (applied to the
+settings the core will start with) and refuses the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from protocol.messages import (
+    REQUESTS,
+    Error,
+    Hello,
+    HyperAck,
+    Message,
+    Save,
+    SetHyper,
+    Status,
+    StatusReply,
+)
+from protocol.tensors import Manifest
+
+from . import checkpoint
+from .config import ServerConfig, with_changes
+from .core import EpsCore, Out
+from .errors import RequestError
+from .layer_store import LayerStore
+from .peers import check_control, check_hello
+from .stats import EpsStats, peak_memory_bytes
+
+log = logging.getLogger("eps_server")
+
+
+def create_core(cfg: ServerConfig, manifest: Manifest, run_id: str, **kw) -> EpsCore:
+    """A core for a new model: every region, or none (e.g. shared memory full)."""
+    store = LayerStore(manifest, run_id, cfg.compute_dtype)
+    try:
+        core = EpsCore(cfg, store, run_id=run_id, **kw)
+    except BaseException:
+        store.close()
+        raise
+    log.info("model: %d layers, %.2fM parameters, manifest %s", store.num_layers,
+             manifest.num_params / 1e6, store.manifest_hash[:19])
+    return core
+
+
+def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
+    """A core resumed from a checkpoint: master, optimizer state, loss scaler, step."""
+    loaded = checkpoint.read_meta(path)
+    core = create_core(cfg, loaded.manifest, run_id, **kw)
+    try:
+        checkpoint.load_into(loaded, core.store, [m.optimizer for m in core.engines.layers])
+    except BaseException:
+        core.close(final_save=False)
+        raise
+    saved = loaded.state.get("optimizer", {})
+    if saved and saved != cfg.optimizer.as_dict():
+        log.warning("the checkpoint was trained with optimizer settings %s; continuing with "
+                    "the ones given now: %s", saved, cfg.optimizer.as_dict())
+    core.scheduler.scaler.restore(loaded.state.get("loss_scaler", {}))
+    step = int(loaded.state["step"])
+    for layer in range(core.store.num_layers):
+        core.store.publish(layer)
+        core.store.set_version(layer, step)
+    log.info("resumed from %s at step %d", loaded.path, step)
+    return core
+
+
+class Lobby:
+    def __init__(self, cfg: ServerConfig, run_id: str, stats: EpsStats, **core_kw):
+        self.cfg, self.run_id, self.stats, self.core_kw = cfg, run_id, stats, core_kw
+
+    def handle(self, peer: bytes, msg: Message, frames) -> tuple[EpsCore | None, list[Out]]:
+        """(the new core if this request created the model, else None; the replies)."""
+        try:
+            if isinstance(msg, Hello):
+                return self._hello(peer, msg, frames)
+            return None, [self._other(peer, msg)]
+        except RequestError as e:
+            return None, [Out(peer, Error(req_id=msg.req_id, code=e.code, message=str(e),
+                                          field=e.field))]
+
+    def _hello(self, peer: bytes, msg: Hello, frames):
+        check_hello(self.cfg, msg)
+        if msg.manifest is None:
+            raise RequestError("not_ready", "the server has no model yet: the first worker "
+                               "must send its manifest", "manifest")
+        if msg.manifest.hash() != msg.manifest_hash:
+            raise RequestError("bad_request", "manifest_hash does not match the manifest",
+                               "manifest_hash")
+        try:
+            core = create_core(self.cfg, msg.manifest, self.run_id, initialiser=msg.rank,
+                               stats=self.stats, **self.core_kw)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise RequestError("internal", f"cannot hold this model: {e}") from None
+        return core, core.handle(peer, msg, frames)
+
+    def _other(self, peer: bytes, msg: Message) -> Out:
+        if isinstance(msg, Status):
+            return Out(peer, StatusReply(
+                req_id=msg.req_id, run_id=self.run_id, step=0, versions=(),
+                world_size=self.cfg.world_size, ranks=(),
+                stats={**self.stats.snapshot(), **peak_memory_bytes(),
+                       "lr": self.cfg.optimizer.lr}))
+        if isinstance(msg, SetHyper):
+            check_control(self.cfg, False)
+            try:
+                self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
+            except (ValueError, TypeError) as e:
+                raise RequestError("bad_request", str(e), "changes") from None
+            return Out(peer, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))
+        if isinstance(msg, Save):
+            check_control(self.cfg, False)
+            try:
+                checkpoint.check_target(msg.path)
+            except ValueError as e:
+                raise RequestError("bad_request", str(e), "path") from None
+            raise RequestError("not_ready", "nothing to save: the model is not initialised")
+        if type(msg) not in REQUESTS:
+            raise RequestError("bad_message", f"{type(msg).__name__} is not a request", "kind")
+        raise RequestError("not_registered", "say Hello first")

@@ -1,0 +1,48 @@
+"""The EPS's statistics: one object with named fields (what StatusReply and metrics report)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EpsStats:
+    messages: int = 0
+    """Messages received."""
+    bad_messages: int = 0
+    """Messages that did not decode."""
+    fetches: int = 0
+    """LayerReady replies sent."""
+    pushes: int = 0
+    """Gradients accepted (reduced)."""
+    bytes_reduced: int = 0
+    """Wire bytes of the accepted gradients."""
+    reduce_seconds: float = 0.0
+    """Time the engines spent reducing."""
+    update_seconds: float = 0.0
+    """Time the engines spent updating (and measuring gradients for deferred updates)."""
+    updates: int = 0
+    """Layer version advances (skipped updates included)."""
+    steps_completed: int = 0
+    """Steps every layer has completed since the server started."""
+    overflow_steps: int = 0
+    """Steps in which some gradient overflowed (fp16) or had a non-finite norm."""
+    skipped_updates: int = 0
+    """Layer updates skipped because of an overflow."""
+
+    def snapshot(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def peak_memory_bytes() -> dict[str, int]:
+    """This process's peak and current resident memory, shared memory included (Linux)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "RssShmem"):
+                    out[f"{key.lower()}_bytes"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
