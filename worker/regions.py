@@ -82,6 +82,7 @@ class SlotRing:
     """Gradient slots: indices handed out and given back (from the client's I/O thread)."""
 
     def __init__(self, slots: int):
+        self.size = slots
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for s in range(slots):
             self._free.put(s)
