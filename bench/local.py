@@ -59,7 +59,7 @@ def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size:
     model = build_model(mcfg)
     layout = plan_layout(model.manifest())
     source = LocalSource(model, layout, OptimizerConfig(lr=lr), device)
-    sharder = Sharder(build_task(mcfg), batch_size, micro_batches)
+    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
     ex = Executor(model, layout, source, sharder, device=torch.device(device),
                   micro_batches=range(micro_batches), steps=warmup + steps,
                   dropout=mcfg.dropout, seed=mcfg.seed)
@@ -77,7 +77,7 @@ def resident_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: 
     opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": 0.01},
                              {"params": groups["no_decay"], "weight_decay": 0.0}],
                             lr=lr, fused=True)
-    sharder = Sharder(build_task(mcfg), batch_size, micro_batches)
+    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
 
     def step(i: int) -> None:
         opt.zero_grad(set_to_none=False)

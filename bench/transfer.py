@@ -22,9 +22,10 @@ import tempfile
 import torch
 import zmq
 
+from protocol.events import Ready, wait_for
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 from worker.eps_client import EpsClient
-from worker.transfer import Regions, layer_view
+from worker.regions import Regions, layer_view
 
 from .common import ENV, check, interleaved, table
 
@@ -40,11 +41,11 @@ def _manifest(layers: int, numel: int) -> Manifest:
         TensorSpec(name="w", shape=(numel,)),)) for i in range(layers)), meta={"bench": 1})
 
 
-def _server(endpoint: str):
+def _server(endpoint: str, events: str):
     p = subprocess.Popen([sys.executable, "-m", "eps_server", "--endpoint", endpoint,
-                          "--run-id", "b" + secrets.token_hex(4), "--log-level", "WARNING"],
-                         env=ENV, stdout=subprocess.PIPE, text=True)
-    assert "EPS_READY" in p.stdout.readline()
+                          "--run-id", "b" + secrets.token_hex(4), "--log-level", "WARNING",
+                          "--events", events], env=ENV)
+    wait_for(events, Ready, p)
     return p
 
 
@@ -106,7 +107,8 @@ def transfer(a) -> dict:
         return turn[0] % a.layers
 
     with tempfile.TemporaryDirectory(prefix="l2l-t-") as tmp:
-        servers = [_server(f"ipc://{tmp}/{t}.sock") for t in ("shm", "frames")]
+        servers = [_server(f"ipc://{tmp}/{t}.sock", f"{tmp}/{t}.events")
+                   for t in ("shm", "frames")]
         raw = mp.get_context("spawn").Process(
             target=_raw_zmq_server, args=(f"ipc://{tmp}/raw.sock", nbytes), daemon=True)
         raw.start()

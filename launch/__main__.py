@@ -2,45 +2,26 @@
 
     l2l-launch --workers 2 --model bert --layers 8 --steps 50 --summary-json run.json
 
-Options shared with eps-server and l2l-worker keep their names and meaning there.
+Options shared with eps-server and l2l-worker keep their names and meaning there (they are the
+same config fields, launch/config.py); each child gets its typed config as a file.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
 import sys
 import time
+from dataclasses import asdict, replace
 
-from eps_server.__main__ import add_optimizer_args, optimizer_argv
-from eps_server.config import PRECISIONS
+from eps_server.config import ServerArgs
+from protocol import cli
 from protocol.trace import merge
-from worker.cli import add_job_args, add_model_args, job_argv
+from worker.config import WorkerArgs
 
+from .config import LaunchArgs
 from .launcher import Launcher, private_run_dir
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="l2l-launch", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workers", type=int, default=1, help="worker processes (one per device)")
-    p.add_argument("--endpoint", default="", help="default: a private ipc socket for this run")
-    p.add_argument("--summary-json", default="", help="write the run summary here")
-    p.add_argument("--save", default="", help="write the trained model here (safetensors)")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
-    p.add_argument("--server-threads", type=int, default=1)
-    p.add_argument("--server-save", default="", help="EPS checkpoint directory (at exit)")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--load", default="", help="EPS checkpoint to resume from")
-    p.add_argument("--trace", default="", help="write one Chrome/Perfetto trace of all "
-                   "processes here (render: python -m bench.timeline TRACE --png OUT)")
-    p.add_argument("--quiet", action="store_true", help="hide the children's logs")
-    add_model_args(p)
-    add_job_args(p)
-    add_optimizer_args(p)
-    return p
 
 
 def worker_device(device: str, rank: int) -> str:
@@ -48,43 +29,44 @@ def worker_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def build(a: argparse.Namespace) -> Launcher:
+def build(args: LaunchArgs) -> Launcher:
+    """Write each child's typed config into a private run directory; the command lines name
+    it, plus the endpoint and rank (so ``ps`` tells the processes apart)."""
+    a = args.launch
     run_id = secrets.token_hex(4)
     run_dir = private_run_dir()
     endpoint = a.endpoint or f"ipc://{run_dir}/eps.sock"
     py = sys.executable
-    server = [py, "-m", "eps_server", "--endpoint", endpoint, "--world-size", str(a.workers),
-              "--run-id", run_id, "--exit-when-done", "--precision", a.precision,
-              "--server-threads", str(a.server_threads), *optimizer_argv(a)]
-    if a.server_save:
-        server += ["--server-save", a.server_save, "--checkpoint-every", str(a.checkpoint_every)]
-    if a.load:
-        server += ["--load", a.load]
-    if a.trace:
-        server += ["--trace", os.path.join(run_dir, "trace-eps.json")]
+    server = replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
+                     exit_when_done=True,
+                     trace=os.path.join(run_dir, "trace-eps.json") if a.trace else "")
+    cli.write_file(ServerArgs(server=server), os.path.join(run_dir, "eps.json"))
+    server_argv = [py, "-m", "eps_server", "--config", os.path.join(run_dir, "eps.json"),
+                   "--endpoint", endpoint, "--run-id", run_id]
     workers = []
     for rank in range(a.workers):
-        argv = [py, "-m", "worker", "--endpoint", endpoint, "--rank", str(rank),
-                "--world-size", str(a.workers), *job_argv(a),
-                "--summary-json", os.path.join(run_dir, f"worker-{rank}.json")]
-        argv[argv.index("--device") + 1] = worker_device(a.device, rank)
-        if rank == 0 and a.save:
-            argv += ["--save", os.path.abspath(a.save)]
-        if a.trace:
-            argv += ["--trace", os.path.join(run_dir, f"trace-w{rank}.json")]
-        workers.append(argv)
-    return Launcher(server, workers, run_id, run_dir, a.steps, quiet=a.quiet)
+        w = replace(args.worker, endpoint=endpoint, rank=rank, world_size=a.workers,
+                    device=worker_device(args.worker.device, rank),
+                    save=os.path.abspath(a.save) if rank == 0 and a.save else "",
+                    summary_json=os.path.join(run_dir, f"worker-{rank}.json"),
+                    trace=os.path.join(run_dir, f"trace-w{rank}.json") if a.trace else "")
+        path = os.path.join(run_dir, f"w{rank}.json")
+        cli.write_file(WorkerArgs(worker=w, model=args.model, data=args.data), path)
+        workers.append([py, "-m", "worker", "--config", path, "--endpoint", endpoint,
+                        "--rank", str(rank)])
+    return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, quiet=a.quiet)
 
 
-def summarize(a: argparse.Namespace, launcher: Launcher, code: int, elapsed: float) -> dict:
+def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -> dict:
+    n = args.launch.workers
     ranks = []
-    for r in range(a.workers):
+    for r in range(n):
         try:
             with open(os.path.join(launcher.run_dir, f"worker-{r}.json")) as f:
                 ranks.append(json.load(f))
         except (OSError, ValueError):
             pass
-    complete = len(ranks) == a.workers
+    complete = len(ranks) == n
     losses = [sum(w["losses"][i] for w in ranks) for i in range(ranks[0]["steps"])] \
         if complete and ranks else [p["loss"] for p in launcher.progress]
     accuracy = [sum(w["correct"][i] for w in ranks) / max(1, sum(w["counts"][i] for w in ranks))
@@ -93,7 +75,7 @@ def summarize(a: argparse.Namespace, launcher: Launcher, code: int, elapsed: flo
     seconds = max((w["seconds"] for w in ranks), default=0.0)
     return {
         "ok": code == 0, "exit_code": code, "failure": launcher.failure,
-        "run_id": launcher.run_id, "world_size": a.workers,
+        "run_id": launcher.run_id, "world_size": n,
         "steps": len(losses), "first_step": ranks[0]["first_step"] if ranks else None,
         "losses": losses, "accuracy": accuracy,
         "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
@@ -104,28 +86,23 @@ def summarize(a: argparse.Namespace, launcher: Launcher, code: int, elapsed: flo
                      "step_seconds": w["step_seconds"],
                      "fetches_without_round_trip": w["fetches_without_round_trip"]}
                     for w in ranks],
-        "model": {k: getattr(a, k) for k in ("model", "layers", "hidden", "heads", "seq_len",
-                                              "vocab", "dropout", "seed")},
-        "job": {k: getattr(a, k) for k in ("micro_batches", "micro_batch_size", "device",
-                                            "precision", "optimizer", "lr", "transport")},
-        "save": os.path.abspath(a.save) if a.save and code == 0 else None,
+        "config": cli.to_dict(args),
+        "model": asdict(args.model),
+        "save": os.path.abspath(args.launch.save) if args.launch.save and code == 0 else None,
         "eps": launcher.eps_stats,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    if a.workers < 1:
-        print("l2l-launch: --workers must be >= 1", file=sys.stderr)
-        return 2
-    launcher = build(a)
+    args = cli.parse(LaunchArgs, argv, "l2l-launch", __doc__.split("\n")[0])
+    launcher = build(args)
     t0 = time.perf_counter()
     try:
         code = launcher.run()
-        summary = summarize(a, launcher, code, time.perf_counter() - t0)
-        if a.trace:
-            parts = ["trace-eps.json"] + [f"trace-w{r}.json" for r in range(a.workers)]
-            merge([os.path.join(launcher.run_dir, p) for p in parts], a.trace)
+        summary = summarize(args, launcher, code, time.perf_counter() - t0)
+        if args.launch.trace:
+            parts = ["trace-eps.json"] + [f"trace-w{r}.json" for r in range(args.launch.workers)]
+            merge([os.path.join(launcher.run_dir, p) for p in parts], args.launch.trace)
     finally:
         launcher.cleanup()
     if code == 0:
@@ -136,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{peak / 2**20:.0f} MiB", flush=True)
     else:
         print(f"l2l-launch: failed: {launcher.failure}", file=sys.stderr, flush=True)
-    if a.summary_json:
-        with open(a.summary_json, "w") as f:
+    if args.launch.summary_json:
+        with open(args.launch.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
     return code
 

@@ -5,11 +5,14 @@ id, starts the server, waits for it to be ready, starts the workers (worker r on
 --device cuda), shows one progress line per step, and writes a run summary. On Ctrl-C, SIGTERM
 or any child's failure it stops every child (SIGTERM, then SIGKILL), and removes the run's
 shared memory and socket, so nothing is left behind.
+
+Each child gets a pipe for its typed events (``--events fd:N``, protocol/events.py): the EPS's
+"ready" and final statistics, each worker's steps. The children's stdout and stderr are logs,
+shown with a ``[name]`` prefix (or hidden with --quiet), never parsed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from protocol import events
 from protocol.lifecycle import ENV as PARENT_ENV
 from protocol.shm import unlink_prefix
 
@@ -44,7 +48,7 @@ class Launcher:
         self.steps = steps
         self.quiet = quiet
         self.children: list[Child] = []
-        self.events: dict[int, dict[int, dict]] = {}  # step -> rank -> event
+        self.events: dict[int, dict[int, events.StepDone]] = {}  # step -> rank -> event
         self.progress: list[dict] = []
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -53,59 +57,62 @@ class Launcher:
 
     # ------------------------------------------------------------------------- children
 
-    def _spawn(self, name: str, argv: list[str], parse_events: bool) -> Child:
+    def _spawn(self, name: str, argv: list[str]) -> Child:
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1,
-                                errors="replace",  # an odd byte must not kill the reader
-                                start_new_session=True)  # Ctrl-C reaches only the launcher
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen([*argv, "--events", f"fd:{write_fd}"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1,
+                                    errors="replace",  # an odd byte must not kill the reader
+                                    pass_fds=(write_fd,),
+                                    start_new_session=True)  # Ctrl-C reaches only the launcher
+        finally:
+            os.close(write_fd)  # the child holds it now: EOF when the child is gone
         child = Child(name, proc)
         self.children.append(child)  # registered first: stop_all must see it whatever happens
-        for stream, is_out in ((proc.stdout, True), (proc.stderr, False)):
-            t = threading.Thread(target=self._pump, args=(name, stream, is_out and parse_events,
-                                                          is_out), daemon=True)
+        readers = [(self._log, proc.stdout, sys.stdout), (self._log, proc.stderr, sys.stderr),
+                   (self._events, os.fdopen(read_fd, "r", errors="replace"), name)]
+        for target, stream, arg in readers:
+            t = threading.Thread(target=target, args=(name, stream, arg), daemon=True)
             t.start()
             child.threads.append(t)
         return child
 
-    def _pump(self, name: str, stream, parse_events: bool, is_out: bool) -> None:
+    def _log(self, name: str, stream, out) -> None:
         for line in stream:
-            line = line.rstrip("\n")
-            if is_out and line.startswith("EPS_READY"):
-                self._ready.set()
-                continue
-            if is_out and line.startswith("EPS_STATS "):
-                try:
-                    self.eps_stats = json.loads(line[len("EPS_STATS "):])
-                except ValueError:
-                    pass
-                continue
-            if parse_events and line.startswith("L2L_EVENT "):
-                try:
-                    self._on_event(json.loads(line[len("L2L_EVENT "):]))
-                except (ValueError, KeyError):
-                    pass
-                continue
             if not self.quiet:
-                print(f"[{name}] {line}", file=sys.stderr if not is_out else sys.stdout,
-                      flush=True)
+                print(f"[{name}] {line.rstrip()}", file=out, flush=True)
 
-    def _on_event(self, ev: dict) -> None:
-        if ev.get("event") != "step":
-            return
+    def _events(self, name: str, stream, _) -> None:
+        with stream:
+            for line in stream:
+                try:
+                    ev = events.decode(line)
+                except ValueError as e:
+                    print(f"l2l-launch: bad event from {name}: {e}", file=sys.stderr)
+                    continue
+                if isinstance(ev, events.Ready):
+                    self._ready.set()
+                elif isinstance(ev, events.ServerStats):
+                    self.eps_stats = ev.stats
+                elif isinstance(ev, events.StepDone):
+                    self._on_step(ev)
+
+    def _on_step(self, ev: events.StepDone) -> None:
         with self._lock:
-            by_rank = self.events.setdefault(ev["step"], {})
-            by_rank[ev["rank"]] = ev
+            by_rank = self.events.setdefault(ev.step, {})
+            by_rank[ev.rank] = ev
             if len(by_rank) != len(self.worker_argvs):
                 return
             rows = list(by_rank.values())
-            loss = sum(r["loss"] for r in rows)
-            acc = sum(r["correct"] for r in rows) / max(1, sum(r["count"] for r in rows))
-            secs = max(r["seconds"] for r in rows)
-            samples = sum(r["samples"] for r in rows)
-            self.progress.append({"step": ev["step"], "loss": loss, "accuracy": acc,
+            loss = sum(r.loss for r in rows)
+            acc = sum(r.correct for r in rows) / max(1, sum(r.count for r in rows))
+            secs = max(r.seconds for r in rows)
+            samples = sum(r.samples for r in rows)
+            self.progress.append({"step": ev.step, "loss": loss, "accuracy": acc,
                                   "seconds": secs, "samples": samples})
-        print(f"step {ev['step'] + 1:>5}/{self.steps}  loss {loss:.4f}  acc {acc:.3f}  "
+        print(f"step {ev.step + 1:>5}/{self.steps}  loss {loss:.4f}  acc {acc:.3f}  "
               f"{samples / secs if secs > 0 else 0:,.0f} samples/s", flush=True)
 
     # ------------------------------------------------------------------------- run
@@ -134,7 +141,7 @@ class Launcher:
         raise KeyboardInterrupt
 
     def _run(self) -> int:
-        server = self._spawn("eps", self.server_argv, parse_events=False)
+        server = self._spawn("eps", self.server_argv)
         deadline = time.monotonic() + READY_TIMEOUT
         while not self._ready.wait(0.1):
             if server.proc.poll() is not None:
@@ -144,8 +151,7 @@ class Launcher:
             if time.monotonic() > deadline:
                 self.failure = f"eps-server not ready within {READY_TIMEOUT:.0f} s"
                 return 1
-        workers = [self._spawn(f"w{r}", argv, parse_events=True)
-                   for r, argv in enumerate(self.worker_argvs)]
+        workers = [self._spawn(f"w{r}", argv) for r, argv in enumerate(self.worker_argvs)]
         server_gone: float | None = None
         while True:
             codes = [w.proc.poll() for w in workers]

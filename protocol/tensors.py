@@ -11,7 +11,10 @@ Layout rules (see SPEC.md, "Flat layout"):
 - each group is one contiguous span, so one fused optimizer call updates a whole group;
 - each layer starts at a multiple of ALIGN_ELEMS elements; padding elements are zero forever;
 - offsets are in *elements*, identical for every dtype (fp32 master, bf16 copy, grad slots), so
-  one layer plan addresses all of them.
+  one layer plan addresses all of them;
+- a *tied* tensor (``tie=(layer, tensor)``: it is that earlier layer's tensor, e.g. an LM head
+  reading the token embedding) has no storage in its reader: one copy, one optimizer state,
+  in its owner. The worker adds the reader's gradient into the owner's before pushing it.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ def _check_name(what: str, name: str) -> None:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One named tensor of a layer, e.g. ``attn.qkv.weight``; ``dtype`` is the master dtype."""
+    """One named tensor of a layer, e.g. ``attn.qkv.weight``; ``dtype`` is the master dtype.
+    ``tie``: (layer, tensor) of an earlier layer whose tensor this one is (no storage here)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
     group: str = "decay"
+    tie: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_name("tensor name", self.name)
@@ -105,6 +110,8 @@ class LayerSpec:
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"layer {self.name!r}: duplicate tensor names")
+        if all(t.tie is not None for t in self.tensors):
+            raise ValueError(f"layer {self.name!r}: needs a tensor of its own (all are tied)")
 
 
 @dataclass(frozen=True)
@@ -120,11 +127,19 @@ class Manifest:
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             raise ValueError("manifest: duplicate layer names")
+        index = {name: i for i, name in enumerate(names)}
+        for i, layer in enumerate(self.layers):
+            for t in layer.tensors:
+                if t.tie is not None:
+                    _check_tie(self, index, i, layer, t)
 
     def canonical(self) -> bytes:
-        """Deterministic bytes of the manifest (msgpack, sorted meta keys)."""
+        """Deterministic bytes of the manifest (msgpack, sorted meta keys); a tied tensor's
+        entry gets its tie as a fifth item."""
         body = [
-            [[la.name, la.kind, [[t.name, list(t.shape), t.dtype, t.group] for t in la.tensors]]
+            [[la.name, la.kind, [[t.name, list(t.shape), t.dtype, t.group]
+                                 + ([list(t.tie)] if t.tie is not None else [])
+                                 for t in la.tensors]]
              for la in self.layers],
             sorted(self.meta.items()),
         ]
@@ -135,7 +150,24 @@ class Manifest:
 
     @property
     def num_params(self) -> int:
-        return sum(t.numel for la in self.layers for t in la.tensors)
+        """Distinct parameters (a tied tensor counts once)."""
+        return sum(t.numel for la in self.layers for t in la.tensors if t.tie is None)
+
+
+def _check_tie(m: Manifest, index: dict[str, int], i: int, layer: LayerSpec,
+               t: TensorSpec) -> None:
+    """A tie names an earlier layer's own tensor of the same shape: the reader is visited after
+    its owner in the forward pass and before it in the backward pass, so the owner's version is
+    still current when the reader uses it, and its gradient is complete when the owner pushes."""
+    owner_name, tensor_name = t.tie
+    where = f"layer {layer.name!r} tensor {t.name!r}"
+    if index.get(owner_name, i) >= i:
+        raise ValueError(f"{where}: tied to {owner_name!r}, which is not an earlier layer")
+    owner = {o.name: o for o in m.layers[index[owner_name]].tensors}.get(tensor_name)
+    if owner is None or owner.tie is not None:
+        raise ValueError(f"{where}: layer {owner_name!r} has no tensor {tensor_name!r} of its own")
+    if owner.shape != t.shape:
+        raise ValueError(f"{where}: shape {t.shape} differs from the tied {owner.shape}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +182,16 @@ class TensorSlot:
 
 
 @dataclass(frozen=True)
+class TiedSlot:
+    """A tensor of this layer stored in an earlier layer (``owner``'s ``tensor``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    owner: int
+    tensor: str
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     """The flat layout of one layer: its span in a region and where each tensor/group sits."""
 
@@ -158,8 +200,9 @@ class LayerPlan:
     kind: str
     offset: int  # first element of the layer in the region
     numel: int  # aligned element count of the layer (its span)
-    tensors: tuple[TensorSlot, ...]  # in manifest order
+    tensors: tuple[TensorSlot, ...]  # its own tensors, in manifest order
     groups: dict[str, tuple[int, int]]  # group -> (start, end) elements, relative to the layer
+    ties: tuple[TiedSlot, ...] = ()  # tensors it reads from earlier layers
 
     def nbytes(self, dtype: str) -> int:
         return self.numel * itemsize(dtype)
@@ -185,6 +228,7 @@ def plan_layout(manifest: Manifest) -> Layout:
     """The flat layout both sides derive from a manifest (pure function, see module doc)."""
     plans = []
     region_offset = 0
+    index_of = {layer.name: i for i, layer in enumerate(manifest.layers)}
     for index, layer in enumerate(manifest.layers):
         pos = 0
         slots: dict[str, TensorSlot] = {}
@@ -192,13 +236,16 @@ def plan_layout(manifest: Manifest) -> Layout:
         for group in GROUPS:
             start = pos
             for t in layer.tensors:
-                if t.group == group:
+                if t.group == group and t.tie is None:
                     slots[t.name] = TensorSlot(t.name, t.shape, pos, t.numel, group)
                     pos = _align(pos + t.numel)
             if pos > start:
                 groups[group] = (start, pos)
-        ordered = tuple(slots[t.name] for t in layer.tensors)
-        plans.append(LayerPlan(index, layer.name, layer.kind, region_offset, pos, ordered, groups))
+        ordered = tuple(slots[t.name] for t in layer.tensors if t.tie is None)
+        ties = tuple(TiedSlot(t.name, t.shape, index_of[t.tie[0]], t.tie[1])
+                     for t in layer.tensors if t.tie is not None)
+        plans.append(LayerPlan(index, layer.name, layer.kind, region_offset, pos, ordered, groups,
+                               ties))
         region_offset += pos
     return Layout(tuple(plans), region_offset)
 
@@ -215,6 +262,9 @@ def manifest_difference(ours: Manifest, theirs: Manifest) -> str:
     for a, b in zip(theirs.layers, ours.layers):
         if a != b:
             for ta, tb in zip(a.tensors, b.tensors):
+                if ta.tie != tb.tie:
+                    return (f"layer {a.name!r} tensor {ta.name!r} tied to {ta.tie} vs "
+                            f"server {tb.tie}")
                 if ta != tb:
                     return (f"layer {a.name!r} tensor {ta.name!r} {ta.shape} vs "
                             f"server {tb.name!r} {tb.shape}")
@@ -223,6 +273,11 @@ def manifest_difference(ours: Manifest, theirs: Manifest) -> str:
 
 
 def views(flat: torch.Tensor, plan: LayerPlan) -> list[torch.Tensor]:
-    """Per-tensor views (manifest order) of one layer's flat buffer."""
+    """Per-tensor views (manifest order) of one layer's flat buffer (its own tensors)."""
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors]
+
+
+def named_views(flat: torch.Tensor, plan: LayerPlan) -> dict[str, torch.Tensor]:
+    """{tensor name: view} of one layer's flat buffer (its own tensors)."""
+    return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors}
 

@@ -25,7 +25,7 @@ def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, 
         opt = torch.optim.AdamW(param_groups, lr=lr)
     else:
         opt = torch.optim.SGD(param_groups, lr=lr, momentum=momentum)
-    sharder = Sharder(build_task(mcfg), batch_size, global_micro_batches)
+    sharder = Sharder(build_task(build_model(mcfg)), batch_size, global_micro_batches)
     for step in range(steps):
         opt.zero_grad()
         for index, batch in enumerate(sharder.batches(step, range(global_micro_batches))):

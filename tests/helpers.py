@@ -13,9 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from protocol.events import Ready, wait_for
 from protocol.shm import list_regions, unlink_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,16 +47,15 @@ class Cluster:
         return p.log_path.read_text()
 
     def start_server(self, world_size: int = 1, *extra: str, timeout: float = 60):
+        events = self.tmp / f"eps-{len(self.procs)}.events"
         self.server = self.spawn(
             [sys.executable, "-m", "eps_server", "--endpoint", self.endpoint, "--world-size",
-             str(world_size), "--run-id", self.run_id, "--exit-when-done", *extra], "eps")
-        deadline = time.monotonic() + timeout
-        while "EPS_READY" not in self.log(self.server):
-            if self.server.poll() is not None:
-                raise RuntimeError("eps-server died:\n" + self.log(self.server))
-            if time.monotonic() > deadline:
-                raise TimeoutError("eps-server not ready:\n" + self.log(self.server))
-            time.sleep(0.05)
+             str(world_size), "--run-id", self.run_id, "--exit-when-done",
+             "--events", str(events), *extra], "eps")
+        try:
+            wait_for(str(events), Ready, self.server, timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"eps-server not ready ({e}):\n" + self.log(self.server)) from None
         return self.server
 
     def worker(self, rank: int, world_size: int, *extra: str) -> subprocess.Popen:

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import yaml
 
-from eps_server.__main__ import parser as server_parser
-from worker.cli import parser as worker_parser
+from eps_server.__main__ import parse as server_parse
+from worker.__main__ import parse as worker_parse
 
 from .helpers import ROOT
 
@@ -37,13 +37,13 @@ def test_compose_config_is_valid_and_commands_parse(files):
     assert set(services) == {"eps", "worker-0", "worker-1"}
     eps = services["eps"]
     assert eps["ipc"] == "shareable" and eps.get("shm_size")
-    server = server_parser().parse_args(eps["command"][1:])
+    server = server_parse(eps["command"][1:]).server
     assert eps["command"][0] == "eps-server" and server.world_size == 2
     for rank in (0, 1):
         w = services[f"worker-{rank}"]
         assert w["ipc"] == "service:eps"
         assert w["command"][0] == "l2l-worker"
-        args = worker_parser().parse_args(w["command"][1:])
+        args = worker_parse(w["command"][1:]).worker
         assert (args.rank, args.world_size, args.endpoint) == (rank, 2, server.endpoint)
         if files[-1] == GPU:
             assert args.device == "cuda:0"

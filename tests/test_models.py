@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.tensors import plan_layout, views
+from protocol.tensors import named_views, plan_layout
 from worker.config import ModelConfig
 from worker.data import MarkovTask, Sharder, TriggerTask, build_task
 from worker.models import build_model
@@ -34,7 +34,7 @@ def test_layer_by_layer_equals_assembled(model):
     m = build_model(c)
     layout = plan_layout(m.manifest())
     flats = [m.init_flat(p.index, p) for p in layout.layers]
-    batch = Sharder(build_task(c), 4, 2).batches(3, [1])[0]
+    batch = Sharder(build_task(build_model(c)), 4, 2).batches(3, [1])[0]
 
     net = m.assemble().train()
     loss_ref, _ = net(batch, rng=(c.seed, 3, 1))
@@ -44,7 +44,7 @@ def test_layer_by_layer_equals_assembled(model):
     x = None
     leaves_all = []
     for plan, flat in zip(layout.layers, flats):
-        leaves = [v.requires_grad_() for v in views(flat, plan)]
+        leaves = {n: v.requires_grad_() for n, v in named_views(flat, plan).items()}
         leaves_all.append((plan, leaves))
         stage = m.template(plan.kind).bind(leaves)
         with seeded(dropout_seed(c.seed, 3, plan.index, 1), torch.device("cpu")):
@@ -53,8 +53,8 @@ def test_layer_by_layer_equals_assembled(model):
     loss.backward()
     assert torch.equal(loss, loss_ref)
     for plan, leaves in leaves_all:
-        for slot, leaf in zip(plan.tensors, leaves):
-            assert torch.equal(leaf.grad, ref_grads[f"{plan.name}.{slot.name}"]), slot.name
+        for name, leaf in leaves.items():
+            assert torch.equal(leaf.grad, ref_grads[f"{plan.name}.{name}"]), name
 
 
 def test_templates_own_no_memory():
@@ -67,7 +67,7 @@ def test_dropout_replay_is_order_independent():
     c = cfg("bert", dropout=0.5)
     m = build_model(c)
     plan = plan_layout(m.manifest()).layers[1]
-    stage = m.template(plan.kind).bind(views(m.init_flat(1, plan), plan))
+    stage = m.template(plan.kind).bind(named_views(m.init_flat(1, plan), plan))
     x = torch.randn(2, 16, 32)
     outs = {}
     for mb in (0, 1, 0):  # interleaving other draws must not change a micro-batch's masks
@@ -90,7 +90,7 @@ def test_init_is_a_pure_function_of_seed_and_layer():
 @pytest.mark.parametrize("model", ["bert", "gpt"])
 def test_sharding_two_by_two_equals_one_by_four(model):
     c = cfg(model)
-    task = build_task(c)
+    task = build_task(build_model(c))
     one = Sharder(task, 4, 4).batches(7, range(4))
     two = Sharder(task, 4, 4).batches(7, range(0, 2)) + Sharder(task, 4, 4).batches(7, range(2, 4))
     for a, b in zip(one, two):

@@ -99,7 +99,7 @@ def test_local_baseline_is_plain_training():
     model = build_model(cfg)
     layout = plan_layout(model.manifest())
     source = LocalSource(model, layout, OptimizerConfig(lr=1e-3))
-    ex = Executor(model, layout, source, Sharder(build_task(cfg), 4, 2),
+    ex = Executor(model, layout, source, Sharder(build_task(model), 4, 2),
                   device=torch.device("cpu"), micro_batches=range(2), steps=3,
                   dropout=cfg.dropout, seed=cfg.seed)
     for step in range(3):

@@ -1,4 +1,9 @@
-"""l2l-worker: one L2L worker process (one device) of a job served by an eps-server."""
+"""l2l-worker: one L2L worker process (one device) of a job served by an eps-server.
+
+Fetches one layer at a time from the EPS, runs all its micro-batches through it, pushes each
+layer's gradient. Options come from worker/config.py (``--help`` lists them, ``--config FILE``
+reads them); ``--events`` receives one typed event per step.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,31 @@ import logging
 import signal
 import sys
 
+from protocol import cli
 from protocol.lifecycle import die_with_parent
 
-from .cli import model_config, parser, worker_config
+from .config import WorkerArgs
 from .eps_client import EpsDisconnected, EpsError
 from .job import run_worker
 
 
+def parse(argv: list[str] | None = None) -> WorkerArgs:
+    return cli.parse(WorkerArgs, argv, "l2l-worker", __doc__.split("\n")[0])
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    args = parse(argv)
     die_with_parent()
     # SIGTERM unwinds like an exception, so the worker says Bye and closes its sockets.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s l2l-worker[{a.rank}] %(levelname)s %(message)s")
+    logging.basicConfig(level=args.worker.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s l2l-worker[{args.worker.rank}] %(levelname)s "
+                               "%(message)s")
     try:
-        cfg, mcfg = worker_config(a), model_config(a)
-    except ValueError as e:
-        print(f"l2l-worker: {e}", file=sys.stderr)
-        return 2
-    try:
-        run_worker(cfg, mcfg)
-    except (EpsError, EpsDisconnected, TimeoutError) as e:
-        logging.getLogger("l2l_worker").error("%s", e)
+        run_worker(args)
+    except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:
+        log = logging.getLogger("l2l_worker")
+        log.error("%s", e, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
     return 0
 

@@ -1,40 +1,56 @@
-"""Configuration of an l2l-worker: the model, the job, the execution."""
+"""Configuration of an l2l-worker: the model, its data, the process and its job.
+
+Each field's docstring is its --help text (``protocol.cli`` builds l2l-worker's and
+l2l-launch's options from these classes); ``__post_init__`` validates.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from protocol.endpoints import default_endpoint
 
-MODELS = ("bert", "gpt")
-STASHES = ("device", "host", "eps")
+BUILTIN_MODELS = ("bert", "gpt")
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A layered transformer. ``layers`` counts the identical blocks; pre and post come on top."""
+    """A layered network: ``pre`` (embeddings) -> ``layers`` blocks -> ``post`` (head + loss)."""
 
     model: str = "bert"
-    """bert: post-LN encoder classifier on the planted-trigger task;
-    gpt: pre-LN causal decoder LM on the synthetic Markov language."""
+    """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), or
+    package.module:Class, a worker.models.LayeredModel of your own built from this config."""
     layers: int = 4
+    """Number of transformer blocks (the layers between pre and post)."""
     hidden: int = 64
+    """Hidden size (width of the boundary activations)."""
     heads: int = 4
+    """Attention heads per block (must divide hidden)."""
     ffn: int = 0
     """Feed-forward width; 0 means 4 x hidden."""
     seq_len: int = 32
+    """Tokens per sample (also the size of the position table)."""
     vocab: int = 128
+    """Vocabulary size."""
     classes: int = 4
-    """Number of classes (bert)."""
+    """Number of classes (classifier heads)."""
     dropout: float = 0.1
+    """Dropout probability (masks are replayed exactly in the recompute)."""
+    tie_embeddings: bool = False
+    """gpt: the LM head reads the token embedding (one tensor, trained by both layers)."""
     seed: int = 0
     """Seeds initial weights, data and dropout (all pure functions of it)."""
+    init_from: str = ""
+    """Initial weights from this safetensors file (the assembled model's names, as --save
+    writes them), read one layer at a time; empty: random initialisation from --seed."""
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {MODELS}")
-        if self.layers < 1 or self.hidden < 1 or self.seq_len < 2:
-            raise ValueError("layers, hidden must be >= 1 and seq_len >= 2")
+        if self.model not in BUILTIN_MODELS and ":" not in self.model:
+            raise ValueError(f"model must be one of {BUILTIN_MODELS} or package.module:Class, "
+                             f"got {self.model!r}")
+        if self.layers < 1 or self.hidden < 1 or self.seq_len < 2 or self.heads < 1:
+            raise ValueError("layers, hidden and heads must be >= 1 and seq_len >= 2")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if not 0 <= self.dropout < 1:
@@ -44,12 +60,24 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class DataConfig:
+    """What the model is trained on (chosen apart from the model)."""
+
+    task: Literal["auto", "trigger", "markov"] = "auto"
+    """trigger: planted-rule classification; markov: a synthetic Markov language (next-token
+    prediction); auto: the model's own default (bert: trigger, gpt: markov)."""
+
+
+@dataclass(kw_only=True)
 class WorkerConfig:
-    """One l2l-worker process (one device)."""
+    """One l2l-worker process (one device) and its share of the job."""
 
     endpoint: str = field(default_factory=default_endpoint)
+    """The eps-server's ZeroMQ endpoint."""
     rank: int = 0
+    """This worker's rank in [0, world_size): it runs global micro-batches [rank*u, (rank+1)*u)."""
     world_size: int = 1
+    """Number of workers in the job."""
     device: str = "cpu"
     """cpu, cuda or cuda:K."""
     steps: int = 10
@@ -57,32 +85,36 @@ class WorkerConfig:
     micro_batches: int = 2
     """u: micro-batches per worker per step, all run through a layer per visit."""
     micro_batch_size: int = 8
-    grad_dtype: str = "compute"
+    """Samples per micro-batch."""
+    grad_dtype: Literal["compute", "float32"] = "compute"
     """Dtype of pushed gradients: compute (the EPS's compute precision) or float32. Sums over
     micro-batches are always accumulated in fp32; the EPS reduces across workers in fp32."""
-    transport: str = "shm"
+    transport: Literal["shm", "frames"] = "shm"
     """shm: tensors through shared memory (same box); frames: tensor bytes over ZeroMQ."""
-    stash: str = "device"
+    stash: Literal["device", "host", "eps"] = "device"
     """Where boundary activations live between forward and backward: device, host (pinned
     host memory; the device itself on CPU) or eps (EPS-owned shared memory)."""
     copy_weights: bool = False
     """On CPU, copy each layer into worker buffers instead of reading shared memory in place
     (what CUDA does; for tests and measurements)."""
-    trace: str = ""
-    """Write a Chrome/Perfetto trace of this worker here."""
     overlap: bool = True
-    """L2Lp: prefetch the next layer and push gradients asynchronously. False runs the same
-    loop with every fetch and push waited for in turn (for comparison)."""
+    """L2Lp: prefetch the next layer and push gradients asynchronously (--no-overlap waits for
+    every fetch and push in turn, for comparison)."""
     threads: int = 1
     """torch intra-op threads of this process."""
     eps_timeout: float = 600.0
     """Seconds to wait for any single EPS reply before giving up."""
     save: str = ""
-    """Rank 0 writes the trained model (safetensors, assembled nn.Module names) here."""
+    """Rank 0 writes the trained model here (safetensors, the assembled nn.Module's names)."""
     summary_json: str = ""
-    """This worker's summary (losses, throughput, peak memory)."""
-    events: bool = True
-    """Print one ``L2L_EVENT {json}`` line per step on stdout (read by l2l-launch)."""
+    """Write this worker's summary (losses, throughput, peak memory) here."""
+    trace: str = ""
+    """Write a Chrome/Perfetto trace of this worker here."""
+    events: str = ""
+    """Write typed events (one per step) as JSON lines here: a file path, or fd:N for a pipe
+    inherited from l2l-launch."""
+    log_level: str = "INFO"
+    """Log level on stderr (DEBUG, INFO, WARNING, ERROR)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -93,8 +125,10 @@ class WorkerConfig:
             raise ValueError("grad_dtype must be compute or float32")
         if self.transport not in ("shm", "frames"):
             raise ValueError("transport must be shm or frames")
-        if self.stash not in STASHES:
-            raise ValueError(f"stash must be one of {STASHES}")
+        if self.stash not in ("device", "host", "eps"):
+            raise ValueError("stash must be device, host or eps")
+        if self.threads < 1 or not self.eps_timeout > 0:
+            raise ValueError("threads must be >= 1 and eps_timeout > 0")
 
     @property
     def global_micro_batches(self) -> int:
@@ -103,3 +137,12 @@ class WorkerConfig:
     def my_micro_batches(self) -> range:
         """Global indices of this worker's micro-batches: rank r has [r*u, (r+1)*u)."""
         return range(self.rank * self.micro_batches, (self.rank + 1) * self.micro_batches)
+
+
+@dataclass(kw_only=True)
+class WorkerArgs:
+    """Everything l2l-worker takes (the root of its command line and config file)."""
+
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .models.base import Batch, derive_seed
+from .config import DataConfig, ModelConfig
+from .models.base import Batch, LayeredModel, derive_seed
 
 
 class TriggerTask:
@@ -19,6 +19,8 @@ class TriggerTask:
     rest are neutral. A sample of class c is neutral noise with 1-3 triggers of class c planted
     at random positions; position 0 holds a [CLS] token. A model must find the triggers anywhere
     in the sequence; chance accuracy is 1/classes."""
+
+    objective = "classify"
 
     def __init__(self, cfg: ModelConfig, triggers_per_class: int = 4):
         self.cfg = cfg
@@ -50,6 +52,8 @@ class MarkovTask:
     """Synthetic language (gpt): a sparse random Markov chain, each token followed by one of
     ``branching`` successors with random probabilities. Next-token loss can fall from ln(vocab)
     to the chain's entropy rate (``entropy``), which a model only reaches by learning it."""
+
+    objective = "lm"
 
     def __init__(self, cfg: ModelConfig, branching: int = 4):
         self.cfg = cfg
@@ -85,8 +89,19 @@ class MarkovTask:
         return Batch(seq, targets, norm)
 
 
-def build_task(cfg: ModelConfig):
-    return TriggerTask(cfg) if cfg.model == "bert" else MarkovTask(cfg)
+TASKS = {"trigger": TriggerTask, "markov": MarkovTask}
+
+
+def build_task(model: LayeredModel, data: DataConfig | None = None):
+    """The task ``data.task`` names (``auto``, the default: the model's own), checked against
+    what the model's head trains on."""
+    task = (data or DataConfig()).task
+    name = model.default_task if task == "auto" else task
+    task = TASKS[name](model.cfg)
+    if task.objective != model.objective:
+        raise ValueError(f"task {name} produces {task.objective} targets, but model "
+                         f"{model.cfg.model} trains a {model.objective} head")
+    return task
 
 
 class Sharder:

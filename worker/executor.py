@@ -13,8 +13,12 @@ Per step t (L layers: pre, blocks, post):
 Every visit takes its weights, then asks its layer source for the *next* visit's
 (``prefetch``), so fetching overlaps compute and at most two layers are in flight; pushes are
 asynchronous and the EPS reduces and updates a layer while the worker computes the layers
-below. Dropout masks are seeded by (seed, step, layer,
-global micro-batch) in the forward and the recompute alike, so gradients equal plain training's.
+below. Dropout masks are seeded by (seed, step, layer, global micro-batch) in the forward and
+the recompute alike, so gradients equal plain training's.
+
+Boundaries may be tuples of tensors (stash.members). A tensor a layer reads from an earlier
+layer (a tie) is copied when its owner is visited in the forward pass; the reader's gradient of
+it is summed in fp32 and added into the owner's gradient before the owner is pushed.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.tensors import Layout, views
+from protocol.tensors import Layout, named_views
 from protocol.trace import NULL, Tracer
 
 from .data import Sharder
 from .models.base import LayeredModel, dropout_seed, seeded
-from .stash import make_stash
+from .stash import make_stash, members, shaped_like
 from .streams import Streams
 
 
@@ -37,9 +41,9 @@ from .streams import Streams
 class _Kept:
     """A layer's forward graph kept for its backward (per micro-batch)."""
 
-    leaves: list[torch.Tensor]
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor]
+    leaves: dict[str, torch.Tensor]
+    inputs: list
+    outputs: list
 
 
 @dataclass
@@ -72,6 +76,13 @@ class Executor:
         self.binders = {kind: model.template(kind) for kind in {p.kind for p in self.plans}}
         self.stash = make_stash(stash, source, self.streams, len(self.plans) - 2,
                                 len(self.micro_batches))
+        # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.
+        self.shared: dict[int, set[str]] = {}
+        for plan in self.plans:
+            for tie in plan.ties:
+                self.shared.setdefault(tie.owner, set()).add(tie.tensor)
+        self.tied: dict[tuple[int, str], torch.Tensor] = {}
+        self.tie_grads: dict[tuple[int, str], torch.Tensor] = {}
 
     def run_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
@@ -86,12 +97,12 @@ class Executor:
 
         for layer in range(last):  # forward, layer-major
             with self.tracer.span(f"F{layer}", "forward"):
-                flat = self.source.weights(layer, step)
+                weights = self._weights(layer, step, requires_grad=layer == keep)
                 self.source.prefetch(layer + 1, step)
                 if layer == keep:
-                    kept = self._forward_with_graph(step, layer, flat, xs, batches)
+                    kept = self._forward_with_graph(step, layer, weights, xs, batches)
                     continue  # its weights stay in use until its backward
-                stage = self._bind(layer, flat)
+                stage = self.binders[self.plans[layer].kind].bind(weights)
                 with torch.no_grad():
                     for i, batch in enumerate(batches):
                         if layer > 0:
@@ -107,23 +118,37 @@ class Executor:
 
         self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
+        self.tied.clear()
         count = sum(int((b.targets != -100).sum()) for b in batches)
         return StepResult(step, float(loss), int(correct), count,
                           len(batches) * self.sharder.size, time.perf_counter() - t0)
 
-    def _forward_with_graph(self, step: int, layer: int, flat: torch.Tensor, xs: list,
+    def _weights(self, layer: int, step: int, requires_grad: bool) -> dict[str, torch.Tensor]:
+        """The visit's tensors by name: views of the layer's flat weights, and its tied
+        tensors (copied when their owner was visited in the forward pass)."""
+        plan = self.plans[layer]
+        named = named_views(self.source.weights(layer, step), plan)
+        for name in self.shared.get(layer, ()):
+            if (layer, name) not in self.tied:
+                self.tied[layer, name] = named[name].detach().clone()
+        for tie in plan.ties:
+            named[tie.name] = self.tied[tie.owner, tie.tensor]
+        if requires_grad:
+            named = {n: t.detach().requires_grad_() for n, t in named.items()}
+        return named
+
+    def _forward_with_graph(self, step: int, layer: int, leaves: dict, xs: list,
                             batches) -> _Kept:
         """Forward of ``layer`` with grad, keeping inputs, outputs and weight leaves."""
-        leaves = [v.requires_grad_() for v in views(flat, self.plans[layer])]
         stage = self.binders[self.plans[layer].kind].bind(leaves)
         kept = _Kept(leaves, [], [])
         for i, batch in enumerate(batches):
-            x_in = xs[i].detach().requires_grad_()
+            x_in = _grad_inputs(xs[i])
             with torch.enable_grad(), self._rng(step, layer, i):
                 out = stage(x_in, batch)
             kept.inputs.append(x_in)
             kept.outputs.append(out)
-            xs[i] = out.detach()
+            xs[i] = shaped_like(out, [t.detach() for t in members(out)])
         return kept
 
     def _backward_visit(self, step: int, layer: int, dx: list, batches,
@@ -137,8 +162,7 @@ class Executor:
         loss_sum = torch.zeros((), device=self.device)
         correct_sum = torch.zeros((), dtype=torch.long, device=self.device)
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
-            leaves = kept.leaves if kept else [
-                v.requires_grad_() for v in views(self.source.weights(layer, step), plan)]
+            leaves = kept.leaves if kept else self._weights(layer, step, requires_grad=True)
             scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
             if not prefetch_next:
                 pass  # the next visit's weights are already held (the kept block)
@@ -148,15 +172,16 @@ class Executor:
                 self.source.prefetch(0, step + 1)  # answered once the EPS has updated layer 0
             stage = self.binders[plan.kind].bind(leaves)
             slot, acc = self.source.grad_buffer(plan)
-            acc_views = views(acc, plan)
+            targets = [*named_views(acc, plan).values(), *self._tie_grads(plan)]
+            weights = [leaves[s.name] for s in plan.tensors] + [leaves[t.name] for t in plan.ties]
             for i, batch in enumerate(batches):
                 if kept:
                     x_in, out = kept.inputs[i], kept.outputs[i]
                 else:
                     if head:
-                        x_in = dx[i].detach().requires_grad_()
+                        x_in = _grad_inputs(dx[i])
                     elif layer > 0:
-                        x_in = self.stash.pop(layer, i).detach().requires_grad_()
+                        x_in = _grad_inputs(self.stash.pop(layer, i))
                     else:
                         x_in = None
                     with torch.enable_grad(), self._rng(step, layer, i):
@@ -165,23 +190,52 @@ class Executor:
                     out, correct = out
                     loss_sum += out.detach()
                     correct_sum += correct
-                    if scale != 1.0:
-                        out = out * scale
-                inputs = leaves if x_in is None else [x_in, *leaves]
-                grads = torch.autograd.grad(out, inputs, None if head else dx[i])
-                if x_in is not None:
-                    dx[i], grads = grads[0], grads[1:]
-                if i == 0:
-                    torch._foreach_copy_(acc_views, list(grads))
+                    outputs, grad_out = [out * scale if scale != 1.0 else out], None
                 else:
-                    torch._foreach_add_(acc_views, list(grads))
+                    pairs = [(o, g) for o, g in zip(members(out), members(dx[i]))
+                             if g is not None and o.requires_grad]
+                    outputs, grad_out = [o for o, _ in pairs], [g for _, g in pairs]
+                x_parts = [] if x_in is None else [t for t in members(x_in) if t.requires_grad]
+                grads = torch.autograd.grad(outputs, [*x_parts, *weights], grad_out,
+                                            allow_unused=True, materialize_grads=True)
+                if x_in is not None:
+                    it = iter(grads[:len(x_parts)])
+                    dx[i] = shaped_like(x_in, [next(it) if t.requires_grad else None
+                                               for t in members(x_in)])
+                grads = list(grads[len(x_parts):])
+                if i == 0:
+                    torch._foreach_copy_(targets, grads)
+                else:
+                    torch._foreach_add_(targets, grads)
+            self._add_tie_grads(layer, acc)
         self.source.release(layer, step)
         self.source.push(step, plan, slot, acc)
         return loss_sum, correct_sum
 
-    def _bind(self, layer: int, flat: torch.Tensor):
-        return self.binders[self.plans[layer].kind].bind(views(flat, self.plans[layer]))
+    def _tie_grads(self, plan) -> list[torch.Tensor]:
+        """fp32 accumulators of this layer's gradients of tied tensors (kept across steps)."""
+        out = []
+        for tie in plan.ties:
+            key = (tie.owner, tie.tensor)
+            if key not in self.tie_grads:
+                self.tie_grads[key] = torch.zeros(tie.shape, dtype=torch.float32,
+                                                  device=self.device)
+            out.append(self.tie_grads[key])
+        return out
+
+    def _add_tie_grads(self, layer: int, acc: torch.Tensor) -> None:
+        """The owner's gradient also holds what its readers contributed (visited before it)."""
+        if layer in self.shared:
+            views = named_views(acc, self.plans[layer])
+            for name in self.shared[layer]:
+                views[name].add_(self.tie_grads[layer, name])
 
     def _rng(self, step: int, layer: int, i: int):
         seed = dropout_seed(self.seed, step, layer, self.micro_batches[i]) if self.dropout else 0
         return seeded(seed, self.device, self.dropout)
+
+
+def _grad_inputs(x):
+    """A boundary as fresh autograd leaves (floating members require grad)."""
+    return shaped_like(x, [t.detach().requires_grad_() if t.is_floating_point() else t
+                           for t in members(x)])

@@ -10,35 +10,32 @@ from dataclasses import asdict
 
 import torch
 
+from protocol.events import EventWriter, StepDone
 from protocol.safetensors_io import write_safetensors
-from protocol.tensors import Layout, plan_layout, views
+from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
-from .config import ModelConfig, WorkerConfig
+from .config import WorkerArgs
 from .data import Sharder, build_task
 from .eps_client import EpsClient
 from .executor import Executor, StepResult
 from .memory import PeakMemory
 from .models import build_model
-from .sources import EpsSource
-from .transfer import layer_view
+from .models.loaders import flat_of
+from .regions import Regions, layer_view
+from .source import make_source
 
 log = logging.getLogger("l2l_worker")
 
-INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones are generated
+INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones are loaded
 
 
-def event(kind: str, **fields) -> None:
-    """One machine-readable progress line on stdout (l2l-launch aggregates them)."""
-    print("L2L_EVENT " + json.dumps({"event": kind, **fields}), flush=True)
-
-
-def bootstrap(client: EpsClient, model, layout: Layout, layers) -> None:
+def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
     """Send the initial fp32 values of ``layers``, a few in flight at a time (memory stays at a
     few layers however deep the model)."""
     in_flight = []
     for plan in (layout.layers[i] for i in layers):
-        flat = model.init_flat(plan.index, plan)
+        flat = flat_of(loader, plan)
         in_flight.append((client.init_layer(plan.index, flat.numpy().data), flat))
         if len(in_flight) >= INIT_IN_FLIGHT:
             client.wait(in_flight.pop(0)[0])
@@ -46,33 +43,40 @@ def bootstrap(client: EpsClient, model, layout: Layout, layers) -> None:
         client.wait(fut)
 
 
-def save_model(client: EpsClient, regions, layout: Layout, version: int, path: str,
+def save_model(client: EpsClient, regions: Regions, layout: Layout, version: int, path: str,
                metadata: dict) -> None:
-    """Write the fp32 master at ``version`` as the assembled nn.Module's state dict."""
-    tensors, keep = [], []
+    """Write the fp32 master at ``version`` as the assembled nn.Module's state dict (a tied
+    tensor under each of its names, as the module's state dict has it)."""
+    tensors, keep, by_layer = [], [], {}
     for plan in layout.layers:
         ready, frames = client.wait(client.fetch(plan.index, version, which="master"))
         keep.append(frames)  # frames must outlive the views written below
-        flat = layer_view(regions, plan, ready, frames)
-        for slot, view in zip(plan.tensors, views(flat, plan)):
-            tensors.append((f"{plan.name}.{slot.name}", view))
+        by_layer[plan.index] = named_views(layer_view(regions, plan, ready, frames), plan)
+        for name, view in by_layer[plan.index].items():
+            tensors.append((f"{plan.name}.{name}", view))
+        for tie in plan.ties:
+            tensors.append((f"{plan.name}.{tie.name}", by_layer[tie.owner][tie.tensor]))
     write_safetensors(path, tensors, metadata)
 
 
-def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
-    """Train; returns this worker's summary (also written to cfg.summary_json)."""
+def run_worker(args: WorkerArgs) -> dict:
+    """Train; returns this worker's summary (also written to --summary-json)."""
+    cfg, mcfg = args.worker, args.model
     torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = build_model(mcfg)
+    task = build_task(model, args.data)
     manifest = model.manifest()
     layout = plan_layout(manifest)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout)
+    events = EventWriter(cfg.events)
     source = welcome = None
     tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
     results: list[StepResult] = []
     done = False
+    elapsed, peak = 0.0, 0
     memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
     try:
         welcome = client.hello(rank=cfg.rank, world_size=cfg.world_size, manifest=manifest,
@@ -83,12 +87,10 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
                  manifest.num_params / 1e6, welcome.compute_dtype, welcome.grad_dtype)
         if welcome.init_layers:
             t0 = time.perf_counter()
-            bootstrap(client, model, layout, welcome.init_layers)
+            bootstrap(client, model.loader(), layout, welcome.init_layers)
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
-        sharder = Sharder(build_task(mcfg), cfg.micro_batch_size, cfg.global_micro_batches)
-        source = EpsSource(client, welcome, layout, rank=cfg.rank, device=device,
-                           transport=cfg.transport, timeout=cfg.eps_timeout, tracer=tracer,
-                           copy_weights=cfg.copy_weights, overlap=cfg.overlap)
+        sharder = Sharder(task, cfg.micro_batch_size, cfg.global_micro_batches)
+        source = make_source(client, welcome, layout, cfg, device, tracer)
         executor = Executor(model, layout, source, sharder, device=device,
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=mcfg.dropout, seed=mcfg.seed, stash=cfg.stash, tracer=tracer)
@@ -97,9 +99,8 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
             r = executor.run_step(step)
             results.append(r)
             memory.sample()
-            if cfg.events:
-                event("step", rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
-                      count=r.count, samples=r.samples, seconds=r.seconds)
+            events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
+                                 count=r.count, samples=r.samples, seconds=r.seconds))
         elapsed = time.perf_counter() - t_start
         peak = memory.value()
         if cfg.save and cfg.rank == 0:
@@ -116,6 +117,7 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
         if source is not None:
             source.close()
         tracer.close()
+        events.close()
     samples = sum(r.samples for r in results)
     summary = {
         "rank": cfg.rank, "world_size": cfg.world_size, "device": str(device), "pid": os.getpid(),
@@ -124,7 +126,7 @@ def run_worker(cfg: WorkerConfig, mcfg: ModelConfig) -> dict:
         "correct": [r.correct for r in results], "counts": [r.count for r in results],
         "step_seconds": [r.seconds for r in results], "samples": samples,
         "seconds": elapsed, "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
-        "peak_memory_bytes": peak, "model": asdict(mcfg),
+        "peak_memory_bytes": peak, "model": asdict(mcfg), "data": asdict(args.data),
         "fetches_without_round_trip": source.fast_fetches,
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }

@@ -1,5 +1,6 @@
 """Where boundary activations (each block's input, per micro-batch) wait between the forward and
 the backward of a step. Only layer boundaries are kept; everything inside a layer is recomputed.
+A boundary is a tensor or a tuple of tensors; each member is stored as it is.
 
     device  on the compute device: fastest; device memory grows with depth x micro-batches
     host    in the worker's pinned host memory (CUDA; copies on a side stream); on CPU the
@@ -7,7 +8,7 @@ the backward of a step. Only layer boundaries are kept; everything inside a laye
     eps     in an EPS-owned shared-memory arena: the worker's own memory does not grow with
             depth on CPU either (the arena is the EPS's, sized by this worker)
 
-``put`` returns the tensor the forward should go on reading (the stored copy when it lives in
+``put`` returns the boundary the forward should go on reading (the stored copy when it lives in
 host memory the compute can read directly, so the private original can be freed at once).
 """
 
@@ -20,6 +21,16 @@ import torch
 from .streams import Streams
 
 ENTRY_ALIGN = 256
+
+
+def members(x) -> tuple[torch.Tensor, ...]:
+    """The tensors of a boundary."""
+    return x if isinstance(x, tuple) else (x,)
+
+
+def shaped_like(x, parts):
+    """``parts`` in the structure of boundary ``x`` (a tuple, or the one tensor)."""
+    return tuple(parts) if isinstance(x, tuple) else parts[0]
 
 
 class _InFlight:
@@ -43,13 +54,13 @@ class _InFlight:
 
 class DeviceStash:
     def __init__(self):
-        self._store: dict[tuple[int, int], torch.Tensor] = {}
+        self._store: dict[tuple[int, int], object] = {}
 
-    def put(self, layer: int, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
+    def put(self, layer: int, micro_batch: int, x):
         self._store[layer, micro_batch] = x
         return x
 
-    def pop(self, layer: int, micro_batch: int) -> torch.Tensor:
+    def pop(self, layer: int, micro_batch: int):
         return self._store.pop((layer, micro_batch))
 
     def clear(self) -> None:
@@ -57,43 +68,51 @@ class DeviceStash:
 
 
 class HostStash:
-    """CUDA: pinned host buffers, one per (layer, micro-batch), kept across steps. The copy out
-    runs on a side stream behind the forward's event; the copy back waits for it."""
+    """CUDA: pinned host buffers, one per (layer, micro-batch, member), kept across steps. The
+    copy out runs on a side stream behind the forward's event; the copy back waits for it."""
 
     def __init__(self, streams: Streams):
         self.streams = streams
-        self._host: dict[tuple[int, int], torch.Tensor] = {}
+        self._host: dict[tuple[int, int, int], torch.Tensor] = {}
         self._copied: dict[tuple[int, int], object] = {}
+        self._shapes: dict[tuple[int, int], object] = {}
         self._inflight = _InFlight()
 
-    def put(self, layer: int, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
+    def put(self, layer: int, micro_batch: int, x):
         key = (layer, micro_batch)
-        host = self._host.get(key)
-        if host is None or host.shape != x.shape or host.dtype != x.dtype:
-            host = self._host[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         produced = self.streams.event()
         with self.streams.on(self.streams.d2h):
             self.streams.wait(produced, self.streams.d2h)
-            host.copy_(x, non_blocking=True)
+            for j, t in enumerate(members(x)):
+                host = self._host.get((*key, j))
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                    host = self._host[(*key, j)] = torch.empty(t.shape, dtype=t.dtype,
+                                                             pin_memory=True)
+                host.copy_(t, non_blocking=True)
             self._copied[key] = self.streams.event(self.streams.d2h)
-        self._inflight.add(self._copied[key], x)
+        for t in members(x):
+            self._inflight.add(self._copied[key], t)
+        self._shapes[key] = x
         return x
 
-    def pop(self, layer: int, micro_batch: int) -> torch.Tensor:
+    def pop(self, layer: int, micro_batch: int):
         key = (layer, micro_batch)
         self.streams.wait(self._copied.pop(key))
-        return self._host[key].to(self.streams.device, non_blocking=True)
+        x = self._shapes.pop(key)
+        return shaped_like(x, [self._host[(*key, j)].to(self.streams.device, non_blocking=True)
+                               for j in range(len(members(x)))])
 
     def clear(self) -> None:
         self._copied.clear()
+        self._shapes.clear()
         self._inflight.clear()
 
 
 class EpsStash:
-    """Entries in an arena of EPS-owned shared memory, one slot per (block, micro-batch); the
+    """Entries in an arena of EPS-owned shared memory, one per (block, micro-batch); the
     stashed layers are 1..``layers`` (the blocks). The arena is requested on the first put,
-    sized for the whole depth from that first entry (boundary activations of a layered model
-    all have one shape)."""
+    sized for the whole depth from that first boundary (boundaries of a layered model all have
+    one shape); each member of an entry starts at a multiple of 256 bytes."""
 
     def __init__(self, source, streams: Streams, layers: int, micro_batches: int):
         self.source = source
@@ -102,43 +121,58 @@ class EpsStash:
         self.micro_batches = micro_batches
         self.region = None
         self.entry_bytes = 0
-        self._stored: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
+        self._members: list[tuple[int, int]] = []  # (byte offset in the entry, bytes) each
+        self._stored: dict[tuple[int, int], tuple[object, object]] = {}
         self._inflight = _InFlight()
 
-    def _slot(self, layer: int, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
-        nbytes = x.numel() * x.element_size()
+    def _slots(self, layer: int, micro_batch: int, x) -> list[torch.Tensor]:
+        parts = members(x)
         if self.region is None:
-            self.entry_bytes = -(-nbytes // ENTRY_ALIGN) * ENTRY_ALIGN
+            offset = 0
+            for t in parts:
+                nbytes = t.numel() * t.element_size()
+                self._members.append((offset, nbytes))
+                offset += -(-nbytes // ENTRY_ALIGN) * ENTRY_ALIGN
+            self.entry_bytes = offset
             self.region = self.source.stash_arena(
                 self.entry_bytes * self.layers * self.micro_batches)
-        if nbytes > self.entry_bytes:
-            raise RuntimeError(f"stash entry of {nbytes} bytes exceeds the arena's "
-                               f"{self.entry_bytes}: activations of varying size need "
-                               "--stash device or host")
-        index = (layer - 1) * self.micro_batches + micro_batch
-        start = index * self.entry_bytes // x.element_size()
-        return self.region.tensor(x.dtype, start, x.numel()).view(x.shape)
+        if len(parts) != len(self._members) or any(
+                t.numel() * t.element_size() > nbytes
+                for t, (_, nbytes) in zip(parts, self._members)):
+            raise RuntimeError(f"stash entry of {[tuple(t.shape) for t in parts]} exceeds the "
+                               "arena's: activations of varying size need --stash device or "
+                               "host")
+        base = ((layer - 1) * self.micro_batches + micro_batch) * self.entry_bytes
+        return [self.region.tensor(t.dtype, (base + offset) // t.element_size(),
+                                   t.numel()).view(t.shape)
+                for t, (offset, _) in zip(parts, self._members)]
 
-    def put(self, layer: int, micro_batch: int, x: torch.Tensor) -> torch.Tensor:
-        slot = self._slot(layer, micro_batch, x)
+    def put(self, layer: int, micro_batch: int, x):
+        slots = self._slots(layer, micro_batch, x)
         if not self.streams.cuda:
-            slot.copy_(x)
-            self._stored[layer, micro_batch] = (slot, None)
-            return slot  # the forward reads the arena copy; the private x can go
+            for slot, t in zip(slots, members(x)):
+                slot.copy_(t)
+            stored = shaped_like(x, slots)
+            self._stored[layer, micro_batch] = (stored, None)
+            return stored  # the forward reads the arena copy; the private x can go
         produced = self.streams.event()
         with self.streams.on(self.streams.d2h):
             self.streams.wait(produced, self.streams.d2h)
-            slot.copy_(x, non_blocking=True)
-            self._stored[layer, micro_batch] = (slot, self.streams.event(self.streams.d2h))
-        self._inflight.add(self._stored[layer, micro_batch][1], x)
+            for slot, t in zip(slots, members(x)):
+                slot.copy_(t, non_blocking=True)
+            copied = self.streams.event(self.streams.d2h)
+        self._stored[layer, micro_batch] = (shaped_like(x, slots), copied)
+        for t in members(x):
+            self._inflight.add(copied, t)
         return x
 
-    def pop(self, layer: int, micro_batch: int) -> torch.Tensor:
-        slot, copied = self._stored.pop((layer, micro_batch))
+    def pop(self, layer: int, micro_batch: int):
+        stored, copied = self._stored.pop((layer, micro_batch))
         if not self.streams.cuda:
-            return slot
+            return stored
         self.streams.wait(copied)
-        return slot.to(self.streams.device, non_blocking=True)
+        return shaped_like(stored, [t.to(self.streams.device, non_blocking=True)
+                                    for t in members(stored)])
 
     def clear(self) -> None:
         self._stored.clear()

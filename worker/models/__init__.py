@@ -1,4 +1,8 @@
-"""Layered model definitions (pre / blocks / post)."""
+"""Layered model definitions (pre / blocks / post): the built-in ones and your own."""
+
+from __future__ import annotations
+
+import importlib
 
 from .base import AssembledModel, Batch, LayeredModel
 from .bert import BertModel
@@ -7,9 +11,24 @@ from .gpt import GptModel
 MODELS: dict[str, type[LayeredModel]] = {"bert": BertModel, "gpt": GptModel}
 
 
+def model_class(name: str) -> type[LayeredModel]:
+    """A built-in model by name, or ``package.module:Class`` (a LayeredModel subclass)."""
+    if name in MODELS:
+        return MODELS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load model {name!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, LayeredModel)):
+        raise ValueError(f"{name} is not a worker.models.LayeredModel subclass")
+    return cls
+
+
 def build_model(cfg) -> LayeredModel:
-    """The layered model named by ``cfg.model`` (a worker.config.ModelConfig)."""
-    return MODELS[cfg.model](cfg)
+    """The layered model ``cfg.model`` names (cfg: a worker.config.ModelConfig)."""
+    return model_class(cfg.model)(cfg)
 
 
-__all__ = ["AssembledModel", "Batch", "LayeredModel", "BertModel", "GptModel", "build_model"]
+__all__ = ["AssembledModel", "Batch", "LayeredModel", "BertModel", "GptModel", "build_model",
+           "model_class"]

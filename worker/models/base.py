@@ -1,17 +1,22 @@
-"""Layered models: ``pre`` (embeddings) -> N identical ``blocks`` -> ``post`` (head + loss).
+"""The model contract: what the L2L loop needs to know about a layered network.
 
-A layered model is what the L2L loop needs to know about a network:
-- its layers, in order, each with a *stage kind*; every layer of one kind has the same tensors;
-- for each kind, a module class computing ``stage(x, batch) -> x`` (``post`` returns the loss);
-- a deterministic initial value for every layer (a pure function of seed and layer index, so a
-  worker can produce layer l without building the others);
-- the same network as one ordinary ``nn.Module`` (``assemble``), for baselines and export.
+A ``LayeredModel`` is ``pre`` -> blocks -> ``post`` (any number of layers, at least two):
+- ``layer_kinds()``: (layer name, stage kind) in execution order; every layer of a kind has the
+  same tensors. Layer names are the prefixes of the assembled module's parameter names.
+- ``make_stage(kind)``: a module computing ``stage(x, batch) -> x``. ``x`` is the boundary
+  activation: None into ``pre``, then a tensor or a tuple of tensors; what a stage needs besides
+  (masks, positions) it derives from ``batch``, the micro-batch, on every call. ``post`` returns
+  ``(loss, correct)``: the micro-batch's loss already divided by the *global* minibatch's
+  normaliser, and its count of correct predictions.
+- ``ties()``: tensors one layer reads from an earlier one (e.g. an LM head tied to the token
+  embedding); the manifest records them, the EPS stores and updates each once.
+- ``loader()``: initial weights, one layer at a time (loaders.py): a seeded random init, or a
+  safetensors file of the assembled model.
+- ``objective``: what ``post`` is trained on ("classify" or "lm"), which a task must produce.
 
-Stage calls are ``forward(x, batch)``: ``x`` is the boundary activation (None for ``pre``) and
-``batch`` the micro-batch (inputs, targets, loss normaliser). ``post.forward`` returns
-``(loss, correct)``: the micro-batch's loss already divided by the *global* minibatch's
-normaliser (so summing over micro-batches and workers gives the global mean), and its count of
-correct predictions.
+The worker keeps one weightless template module per stage kind and binds it *by name* to a
+layer's weights for each visit (``Binder``); the same network as an ordinary ``nn.Module``
+(``assemble``) is the baseline and the export format.
 """
 
 from __future__ import annotations
@@ -19,14 +24,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from protocol.tensors import LayerPlan, LayerSpec, Manifest, TensorSpec, views
+from protocol.tensors import LayerPlan, LayerSpec, Manifest, TensorSpec, plan_layout
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class Batch:
     """One micro-batch. ``norm`` is the number of loss terms in the whole global minibatch."""
 
     inputs: torch.Tensor  # (B, T) int64 token ids
-    targets: torch.Tensor  # (B,) class ids or (B, T) next-token ids
+    targets: torch.Tensor  # (B,) class ids or (B, T) next-token ids (-100: no target)
     norm: float
 
     def to(self, device: torch.device) -> Batch:
@@ -88,33 +93,45 @@ def param_group(name: str, p: torch.Tensor) -> str:
 
 
 class Binder:
-    """Binds one template module (per stage kind, on the compute device, holding no weights of
-    its own) to a layer's weights for one visit: the module's parameter slots are pointed at
-    views of the layer's flat buffer. Binding costs one dict assignment per tensor per visit;
-    calls within the visit (all micro-batches) pay nothing."""
+    """Binds one template module (per stage kind, holding no weights of its own) to a layer's
+    weights for one visit, by parameter name: each parameter slot is pointed at the tensor of
+    that name (a view of the layer's flat buffer, or a tied tensor). This is what
+    ``torch.func.functional_call`` does on every call, done once per visit: the visit's
+    micro-batches then run the plain module."""
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self._slots = []
+        self._slots: dict[str, tuple[nn.Module, str]] = {}
         for name, _ in module.named_parameters():
             owner_name, _, attr = name.rpartition(".")
-            self._slots.append((module.get_submodule(owner_name), attr))
+            self._slots[name] = (module.get_submodule(owner_name), attr)
 
-    def bind(self, tensors: list[torch.Tensor]) -> nn.Module:
-        if len(tensors) != len(self._slots):
-            raise ValueError(f"{len(tensors)} tensors for {len(self._slots)} parameters")
-        for (owner, attr), t in zip(self._slots, tensors):
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._slots)
+
+    def bind(self, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+        if tensors.keys() != self._slots.keys():
+            missing = sorted(set(self._slots) - set(tensors))
+            extra = sorted(set(tensors) - set(self._slots))
+            raise ValueError(f"cannot bind {type(self.module).__name__}: missing {missing}, "
+                             f"unexpected {extra}")
+        for name, t in tensors.items():
+            owner, attr = self._slots[name]
             owner._parameters[attr] = t  # plain tensor, not a Parameter: a view of the layer
         return self.module
 
 
 class LayeredModel:
-    """Base class; subclasses define ``kinds`` (kind -> module factory) and ``layer_kinds``."""
+    """Base class of the built-in models and of your own (``--model package.module:Class``)."""
 
     name = "base"
+    objective = "classify"  # what post trains on: "classify" (labels) or "lm" (next tokens)
+    default_task = "trigger"  # the task --task auto picks
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self._loader = None
 
     # -- to be provided by subclasses -------------------------------------------------------
 
@@ -122,13 +139,15 @@ class LayeredModel:
         raise NotImplementedError
 
     def layer_kinds(self) -> list[tuple[str, str]]:
-        """(layer name, stage kind) in execution order: ("pre", ...), ("blocks.i", ...),
-        ("post", ...). Names are the prefixes of the assembled module's state dict."""
         raise NotImplementedError
 
     def meta(self) -> dict[str, str | int | float | bool]:
         """Architecture facts that must agree between workers (part of the manifest hash)."""
         raise NotImplementedError
+
+    def ties(self) -> dict[tuple[str, str], tuple[str, str]]:
+        """{(layer, tensor): (earlier layer, its tensor)}: tensors read from another layer."""
+        return {}
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -137,16 +156,13 @@ class LayeredModel:
         return len(self.layer_kinds())
 
     def manifest(self) -> Manifest:
-        layers = []
-        specs: dict[str, tuple[TensorSpec, ...]] = {}
+        layers, ties = [], self.ties()
         for name, kind in self.layer_kinds():
-            if kind not in specs:
-                with torch.device("meta"):
-                    module = self.make_stage(kind)
-                specs[kind] = tuple(
-                    TensorSpec(name=n, shape=tuple(p.shape), group=param_group(n, p))
-                    for n, p in module.named_parameters())
-            layers.append(LayerSpec(name=name, kind=kind, tensors=specs[kind]))
+            with torch.device("meta"):
+                module = self.make_stage(kind)
+            layers.append(LayerSpec(name=name, kind=kind, tensors=tuple(
+                TensorSpec(name=n, shape=tuple(p.shape), group=param_group(n, p),
+                           tie=ties.get((name, n))) for n, p in module.named_parameters())))
         return Manifest(layers=tuple(layers), meta=self.meta())
 
     def template(self, kind: str) -> Binder:
@@ -156,24 +172,46 @@ class LayeredModel:
             return Binder(self.make_stage(kind))
 
     def init_stage(self, index: int) -> nn.Module:
-        """Layer ``index`` as a module holding its initial weights (pure function of the seed)."""
+        """Layer ``index`` as a module holding its random initial weights (a pure function of
+        the seed and the index, so a worker can make layer l without the others)."""
         _, kind = self.layer_kinds()[index]
         module = self.make_stage(kind)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "init", index))
         init_params(module, gen)
         return module
 
+    def loader(self):
+        """Where the initial weights come from: ``cfg.init_from`` or the seeded random init."""
+        from .loaders import RandomInit, SafetensorsInit
+
+        if self._loader is None:
+            path = getattr(self.cfg, "init_from", "")
+            self._loader = SafetensorsInit(path) if path else RandomInit(self)
+        return self._loader
+
     def init_flat(self, index: int, plan: LayerPlan) -> torch.Tensor:
         """Initial weights of layer ``index`` in its flat fp32 layout (padding zero)."""
-        flat = torch.zeros(plan.numel, dtype=torch.float32)
-        module = self.init_stage(index)
-        for view, (_, p) in zip(views(flat, plan), module.named_parameters()):
-            view.copy_(p.detach())
-        return flat
+        from .loaders import flat_of
+
+        assert plan.index == index
+        return flat_of(self.loader(), plan)
 
     def assemble(self) -> AssembledModel:
-        """The whole network as one nn.Module with the initial weights."""
-        stages = [self.init_stage(i) for i in range(self.num_layers)]
+        """The whole network as one nn.Module with the initial weights (tied tensors shared)."""
+        stages = []
+        for plan in plan_layout(self.manifest()).layers:
+            module = self.make_stage(plan.kind)
+            values = self.loader().load(plan)
+            with torch.no_grad():
+                for n, p in module.named_parameters():
+                    if n in values:
+                        p.copy_(values[n])
+            stages.append(module)
+        names = [n for n, _ in self.layer_kinds()]
+        for (reader, tensor), (owner, source) in self.ties().items():
+            shared = stages[names.index(owner)].get_parameter(source)
+            sub, _, attr = tensor.rpartition(".")
+            stages[names.index(reader)].get_submodule(sub)._parameters[attr] = shared
         return AssembledModel(self, stages)
 
 

@@ -55,6 +55,8 @@ class Classifier(nn.Module):
 
 class BertModel(LayeredModel):
     name = "bert"
+    objective = "classify"
+    default_task = "trigger"
 
     def make_stage(self, kind: str) -> nn.Module:
         c = self.cfg

@@ -1,7 +1,8 @@
 """GPT-style decoder LM: token + position embeddings -> pre-LN causal blocks -> LN + LM head.
 
-The LM head is not tied to the token embedding: tied weights would make the first and the last
-layer share a tensor, and L2L serves each layer's weights independently.
+With ``tie_embeddings`` the LM head reads the token embedding (as GPT-2 does): the manifest
+ties ``post``'s ``out.weight`` to ``pre``'s ``tok.weight``, so the EPS keeps one tensor and
+the worker sums both layers' gradients of it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class LMHead(nn.Module):
 
 class GptModel(LayeredModel):
     name = "gpt"
+    objective = "lm"
+    default_task = "markov"
 
     def make_stage(self, kind: str) -> nn.Module:
         c = self.cfg
@@ -73,3 +76,8 @@ class GptModel(LayeredModel):
         c = self.cfg
         return {"model": "gpt", "layers": c.layers, "hidden": c.hidden, "heads": c.heads,
                 "ffn": c.ffn, "seq_len": c.seq_len, "vocab": c.vocab}
+
+    def ties(self):
+        if not getattr(self.cfg, "tie_embeddings", False):
+            return {}
+        return {("post", "out.weight"): ("pre", "tok.weight")}

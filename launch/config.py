@@ -1,0 +1,49 @@
+"""Configuration of l2l-launch: its own options, plus the model, data, worker and server options
+it passes on (the same fields as l2l-worker's and eps-server's, minus those it sets per child)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eps_server.config import ServerConfig
+from worker.config import DataConfig, ModelConfig, WorkerConfig
+
+# Set by the launcher for each child, so not options of its own.
+PER_WORKER = ("endpoint", "rank", "world_size", "save", "summary_json", "trace", "events",
+              "log_level")
+PER_SERVER = ("endpoint", "world_size", "run_id", "exit_when_done", "trace", "events",
+              "log_level")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """The job on this box: one eps-server and ``workers`` l2l-workers."""
+
+    workers: int = 1
+    """Worker processes (one per device; with --device cuda, rank r runs on cuda:r)."""
+    endpoint: str = ""
+    """The EPS's endpoint; empty: a private ipc socket in this run's directory."""
+    summary_json: str = ""
+    """Write the run summary (losses, accuracy, throughput, peak memory, EPS stats) here."""
+    save: str = ""
+    """Write the trained model here (safetensors, the assembled nn.Module's names)."""
+    trace: str = ""
+    """Write one Chrome/Perfetto trace of all processes here (render it with
+    python -m bench.timeline TRACE --png OUT)."""
+    quiet: bool = False
+    """Hide the children's logs (progress lines and failures are still shown)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("--workers must be >= 1")
+
+
+@dataclass(kw_only=True)
+class LaunchArgs:
+    """Everything l2l-launch takes (the root of its command line and config file)."""
+
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={"omit": PER_WORKER})
+    server: ServerConfig = field(default_factory=ServerConfig, metadata={"omit": PER_SERVER})
