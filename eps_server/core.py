@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +69,10 @@ class Out:
     frames: tuple = ()
 
 
+def error_out(peer: bytes, req_id: int, code: str, message: str, field: str = "") -> Out:
+    return Out(peer, Error(req_id=req_id, code=code, message=message, field=field))
+
+
 class EpsCore:
     def __init__(self, cfg: ServerConfig, store: LayerStore, *, run_id: str,
                  initialiser: int | None = None, stats: EpsStats | None = None,
@@ -89,7 +92,6 @@ class EpsCore:
         self.reduced = [0] * store.num_layers  # gradients reduced this step
         self.initialising: set[int] = set()
         self.broken: str | None = None
-        self._last_step = time.perf_counter()
         self._handlers = {Hello: self._hello, InitLayer: self._init, Fetch: self._fetch,
                           PushGrad: self._push, Bye: self._bye, StashArena: self._stash_arena,
                           Status: self._status, SetHyper: self._set_hyper, Save: self._save}
@@ -107,12 +109,10 @@ class EpsCore:
                 raise RequestError("internal", f"server stopped updating: {self.broken}")
             return handler(peer, msg, frames)
         except RequestError as e:
-            return [Out(peer, Error(req_id=msg.req_id, code=e.code, message=str(e),
-                                    field=e.field))]
+            return [error_out(peer, msg.req_id, e.code, str(e), e.field)]
         except Exception as e:  # a bug: report it, keep serving
             log.exception("internal error handling %s", type(msg).__name__)
-            return [Out(peer, Error(req_id=msg.req_id, code="internal",
-                                    message=f"{type(e).__name__}: {e}"))]
+            return [error_out(peer, msg.req_id, "internal", f"{type(e).__name__}: {e}")]
 
     def poll(self) -> list[Out]:
         """Take in the engines' finished jobs; the replies they made due."""
@@ -161,8 +161,7 @@ class EpsCore:
         """An update failed: stop updating; every waiting Fetch gets an internal Error."""
         log.error("server stopped updating: %s", why)
         self.broken = why
-        return [Out(w.peer, Error(req_id=w.request.req_id, code="internal", message=why))
-                for w in self.board.drop()]
+        return [error_out(w.peer, w.request.req_id, "internal", why) for w in self.board.drop()]
 
     # ------------------------------------------------------------------------- handshake
 
@@ -208,12 +207,11 @@ class EpsCore:
         identity, msg = done.job.ticket
         self.initialising.discard(msg.layer)
         if done.error is not None:
-            return [Out(identity, Error(req_id=msg.req_id, code="internal",
-                                        message=f"{type(done.error).__name__}: {done.error}"))]
+            return [error_out(identity, msg.req_id, "internal",
+                              f"{type(done.error).__name__}: {done.error}")]
         if not done.result:
-            return [Out(identity, Error(req_id=msg.req_id, code="bad_request", field="frames",
-                                        message=f"initial values of layer {msg.layer} are not "
-                                        "all finite"))]
+            return [error_out(identity, msg.req_id, "bad_request", f"initial values of layer "
+                              f"{msg.layer} are not all finite", "frames")]
         return [Out(identity, Ack(req_id=msg.req_id)), *self._publish(msg.layer, 0)]
 
     # ------------------------------------------------------------------------- weights
@@ -226,7 +224,7 @@ class EpsCore:
             raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
                                f"version {msg.min_version} is more than one step ahead",
                                "min_version")
-        if msg.min_version <= current and msg.layer in self.scheduler.pending:
+        if msg.min_version <= current and len(self.claims[msg.layer]) == self.cfg.world_size:
             raise RequestError("bad_request", f"version {current} of layer {msg.layer} is being "
                                "replaced: every worker has pushed its gradient", "min_version")
         if self.board.ready(msg.layer, msg.min_version):
@@ -253,19 +251,10 @@ class EpsCore:
         self.claims[layer].clear()
         self.reduced[layer] = 0
         if self.board.set(layer, version):
-            self._step_completed(self.board.step)
+            self.scheduler.step_completed(self.board.step)
         outs = [self._layer_ready(w.peer, w.request) for w in self.board.answerable()]
         self.scheduler.boundary()
         return outs
-
-    def _step_completed(self, step: int) -> None:
-        now = time.perf_counter()
-        if step == 0:
-            log.info("model initialised")
-        else:
-            log.info("step %d complete (%.3f s)", step - 1, now - self._last_step)
-        self._last_step = now
-        self.scheduler.step_completed(step)
 
     # ------------------------------------------------------------------------- gradients
 
@@ -298,13 +287,11 @@ class EpsCore:
         if done.error is not None or not done.result:
             self.claims[msg.layer].discard(msg.rank)  # nothing was added: may push again
             if done.error is not None:
-                return [Out(identity, Error(req_id=msg.req_id, code="internal",
-                                            message=f"{type(done.error).__name__}: "
-                                                    f"{done.error}"))]
-            return [Out(identity, Error(
-                req_id=msg.req_id, code="bad_request", field="frames" if framed else "slot",
-                message=f"non-finite gradient for layer {msg.layer} from rank {msg.rank} at "
-                        f"step {msg.step}; not applied"))]
+                return [error_out(identity, msg.req_id, "internal",
+                                  f"{type(done.error).__name__}: {done.error}")]
+            return [error_out(identity, msg.req_id, "bad_request", f"non-finite gradient for "
+                              f"layer {msg.layer} from rank {msg.rank} at step {msg.step}; not "
+                              "applied", "frames" if framed else "slot")]
         self.stats.pushes += 1
         self.stats.bytes_reduced += done.job.src.numel() * done.job.src.element_size()
         self.reduced[msg.layer] += 1
@@ -352,8 +339,8 @@ class EpsCore:
             return []
         identity, msg = saved.ticket
         if saved.error is not None:
-            return [Out(identity, Error(req_id=msg.req_id, code="internal",
-                                        message=f"checkpoint failed: {saved.error}"))]
+            return [error_out(identity, msg.req_id, "internal",
+                              f"checkpoint failed: {saved.error}")]
         return [Out(identity, Ack(req_id=msg.req_id))]
 
     def _set_hyper(self, identity: bytes, msg: SetHyper, frames) -> list[Out]:
@@ -402,5 +389,5 @@ class EpsCore:
         return outs + [Out(identity, Ack(req_id=msg.req_id))]
 
     def _fail_waiters(self, identity: bytes, why: str) -> list[Out]:
-        return [Out(w.peer, Error(req_id=w.request.req_id, code="bad_request", message=why))
+        return [error_out(w.peer, w.request.req_id, "bad_request", why)
                 for w in self.board.drop(identity)]

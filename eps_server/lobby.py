@@ -13,7 +13,6 @@ import logging
 
 from protocol.messages import (
     REQUESTS,
-    Error,
     Hello,
     HyperAck,
     Message,
@@ -26,7 +25,7 @@ from protocol.tensors import Manifest
 
 from . import checkpoint
 from .config import ServerConfig, with_changes
-from .core import EpsCore, Out
+from .core import EpsCore, Out, error_out
 from .errors import RequestError
 from .layer_store import LayerStore
 from .peers import check_control, check_hello
@@ -81,8 +80,7 @@ class Lobby:
                 return self._hello(peer, msg, frames)
             return None, [self._other(peer, msg)]
         except RequestError as e:
-            return None, [Out(peer, Error(req_id=msg.req_id, code=e.code, message=str(e),
-                                          field=e.field))]
+            return None, [error_out(peer, msg.req_id, e.code, str(e), e.field)]
 
     def _hello(self, peer: bytes, msg: Hello, frames):
         check_hello(self.cfg, msg)

@@ -17,6 +17,7 @@ layer is at the target, writes while the engines are parked, and releases them (
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -66,6 +67,7 @@ class UpdateScheduler:
         self._held: list[tuple[int, Any]] = []  # (version, start) waiting for the hold to lift
         self._saves: deque[tuple[str, Any]] = deque()  # (path, ticket), one written at a time
         self._writing = False
+        self._last_step = time.perf_counter()
 
     # -- updates -----------------------------------------------------------------------
 
@@ -127,8 +129,13 @@ class UpdateScheduler:
 
     def step_completed(self, step: int) -> None:
         """Every layer has reached version ``step``: step-1 is done (0: initial values in)."""
+        now = time.perf_counter()
         if step == 0:
+            log.info("model initialised")
+            self._last_step = now
             return
+        log.info("step %d complete (%.3f s)", step - 1, now - self._last_step)
+        self._last_step = now
         self.scaler.step_done(step - 1 in self.overflow_steps)
         self.stats.steps_completed += 1
         every = self.cfg.checkpoint_every

@@ -48,3 +48,29 @@ def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) 
                                f"{diff.max().item():.3g}")
         worst = max(worst, diff.max().item())
     return worst
+
+
+def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_size: int,
+                    lr: float = 1e-3) -> dict[str, torch.Tensor]:
+    """The L2L executor in this process against weights held locally (bench.local.LocalSource,
+    the same per-layer AdamW as the EPS): the loop without the server. Returns the assembled
+    model's state dict names (a tied tensor under each of its names)."""
+    from bench.local import LocalSource
+    from eps_server.config import OptimizerConfig
+    from protocol.tensors import named_views, plan_layout
+    from worker.executor import Executor
+
+    model = build_model(mcfg)
+    layout = plan_layout(model.manifest())
+    source = LocalSource(model, layout, OptimizerConfig(lr=lr))
+    ex = Executor(model, layout, source, Sharder(build_task(model), batch_size, micro_batches),
+                  device=torch.device("cpu"), micro_batches=range(micro_batches), steps=steps,
+                  dropout=mcfg.dropout, seed=mcfg.seed)
+    for step in range(steps):
+        ex.run_step(step)
+    named = [named_views(flat, plan) for plan, flat in zip(layout.layers, source.flats)]
+    out = {}
+    for plan in layout.layers:
+        out.update({f"{plan.name}.{n}": v for n, v in named[plan.index].items()})
+        out.update({f"{plan.name}.{t.name}": named[t.owner][t.tensor] for t in plan.ties})
+    return out

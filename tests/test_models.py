@@ -118,3 +118,87 @@ def test_markov_task_follows_the_chain():
         for a, nxt in zip(row[:-1], row[1:]):
             assert nxt in task.succ[a]
     assert 0 < task.entropy < torch.log(torch.tensor(4.0))
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+def test_tied_tensor_is_stored_once():
+    m = build_model(cfg("gpt", tie_embeddings=True))
+    manifest = m.manifest()
+    post = manifest.layers[-1]
+    assert {t.name: t.tie for t in post.tensors}["out.weight"] == ("pre", "tok.weight")
+    assert manifest.hash() != build_model(cfg("gpt")).manifest().hash()
+    plan = plan_layout(manifest).layers[-1]
+    assert "out.weight" not in {s.name for s in plan.tensors}
+    assert [(t.name, t.owner, t.tensor) for t in plan.ties] == [("out.weight", 0, "tok.weight")]
+    untied = build_model(cfg("gpt")).manifest()
+    assert manifest.num_params == untied.num_params - 64 * 32  # the head's matrix is gone
+    net = m.assemble()
+    assert net.post.out.weight is net.pre.tok.weight
+
+
+@pytest.mark.parametrize("tie", [("pre", "nope"), ("post", "w"), ("blocks.0", "w")])
+def test_bad_ties_are_refused(tie):
+    """A tie names an earlier layer's own tensor of the same shape."""
+    from protocol.tensors import LayerSpec, Manifest, TensorSpec
+
+    def layer(name, *tensors):
+        return LayerSpec(name=name, kind="k", tensors=tensors)
+
+    with pytest.raises(ValueError, match="no tensor|not an earlier layer"):
+        Manifest(layers=(layer("pre", TensorSpec(name="w", shape=(4, 4))),
+                         layer("blocks.0", TensorSpec(name="w", shape=(4, 4)),
+                               TensorSpec(name="t", shape=(4, 4), tie=tie)),
+                         layer("post", TensorSpec(name="w", shape=(4, 4)))))
+
+
+def test_binding_is_by_name():
+    m = build_model(cfg("bert"))
+    plan = plan_layout(m.manifest()).layers[1]
+    named = named_views(m.init_flat(1, plan), plan)
+    binder = m.template(plan.kind)
+    stage = binder.bind(dict(reversed(list(named.items()))))  # order does not matter
+    assert stage.attn.qkv.weight is named["attn.qkv.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        binder.bind({k: v for k, v in named.items() if k != "norm1.bias"})
+
+
+@pytest.mark.parametrize("model", ["gpt-tied", "tests.toy_model:GatedModel"])
+def test_l2l_loop_equals_plain_training_for_ties_and_tuple_boundaries(model):
+    """The executor (weights local, per-layer AdamW) trains a GPT whose head is tied to its
+    embedding, and a model whose boundary is a tuple with an integer member and whose head
+    reads the embedding, exactly as plain PyTorch trains the assembled model (dropout on)."""
+    from .baseline import assert_close, train_local_l2l, train_resident
+
+    c = (cfg("gpt", tie_embeddings=True) if model == "gpt-tied"
+         else cfg(model, dropout=0.2))
+    got = train_local_l2l(c, steps=3, micro_batches=2, batch_size=4)
+    want = train_resident(c, steps=3, global_micro_batches=2, batch_size=4)
+    assert_close(got, want)
+
+
+def test_a_task_must_match_the_models_head():
+    from worker.config import DataConfig
+
+    with pytest.raises(ValueError, match="markov"):
+        build_task(build_model(cfg("bert")), DataConfig(task="markov"))
+    assert isinstance(build_task(build_model(cfg("gpt")), DataConfig(task="auto")), MarkovTask)
+
+
+def test_initial_weights_from_a_safetensors_file(tmp_path):
+    from safetensors.torch import save_file
+
+    net = build_model(cfg("bert", seed=3)).assemble()
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, tmp_path / "m.st")
+    m = build_model(cfg("bert", init_from=str(tmp_path / "m.st")))
+    assert m.manifest().hash() == build_model(cfg("bert")).manifest().hash()
+    for plan in plan_layout(m.manifest()).layers:
+        for name, v in named_views(m.init_flat(plan.index, plan), plan).items():
+            assert torch.equal(v, net.state_dict()[f"{plan.name}.{name}"])
+    sd = net.state_dict()
+    del sd["blocks.1.mlp.fc.weight"]
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "short.st")
+    short = build_model(cfg("bert", init_from=str(tmp_path / "short.st")))
+    with pytest.raises(ValueError, match="blocks.1.mlp.fc.weight"):
+        short.init_flat(2, plan_layout(short.manifest()).layers[2])

@@ -11,18 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.local import LocalSource
-from eps_server.config import OptimizerConfig
 from protocol.shm import Region, unlink_prefix
 from protocol.tensors import plan_layout
 from worker.config import ModelConfig
-from worker.data import Sharder, build_task
-from worker.executor import Executor
 from worker.models import build_model
 from worker.stash import EpsStash
 from worker.streams import Streams
 
-from .baseline import assert_close, train_resident
+from .baseline import assert_close, train_local_l2l, train_resident
 from .helpers import ENV, SMALL
 
 VARIANTS = {
@@ -96,19 +92,7 @@ def test_local_baseline_is_plain_training():
     """The overlap benchmark's reference (same executor, weights local, optimizer in-process)
     trains exactly like plain PyTorch: the benchmark compares like with like."""
     cfg = ModelConfig(model="gpt", layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
-    model = build_model(cfg)
-    layout = plan_layout(model.manifest())
-    source = LocalSource(model, layout, OptimizerConfig(lr=1e-3))
-    ex = Executor(model, layout, source, Sharder(build_task(model), 4, 2),
-                  device=torch.device("cpu"), micro_batches=range(2), steps=3,
-                  dropout=cfg.dropout, seed=cfg.seed)
-    for step in range(3):
-        ex.run_step(step)
-    got = {}
-    for plan, flat in zip(layout.layers, source.flats):
-        for slot in plan.tensors:
-            got[f"{plan.name}.{slot.name}"] = flat[slot.offset:slot.offset + slot.numel].view(
-                slot.shape)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4)
     want = train_resident(cfg, steps=3, global_micro_batches=2, batch_size=4)
     assert_close(got, want)
 

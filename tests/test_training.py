@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from worker.config import ModelConfig
+from worker.models import build_model
 
 from .baseline import assert_close, train_resident
 from .helpers import SMALL
@@ -101,3 +103,32 @@ def test_final_checkpoint_holds_the_last_step(cluster, tmp_path, update):
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 3 and set(state["versions"]) == {3}
     assert "mid-step" not in cluster.log(cluster.server)
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("gpt", ("--tie-embeddings", "--transport", "frames", "--copy-weights")),
+    ("tests.toy_model:GatedModel", ("--stash", "eps")),
+], ids=["gpt-tied", "tuple-boundary"])
+def test_other_layered_networks_equal_plain_pytorch(cluster, tmp_path, model, extra):
+    """Through real processes: a GPT whose LM head is tied to its token embedding (one tensor
+    on the EPS, both layers' gradients summed before its update), and a network of our own
+    (--model package.module:Class) whose boundary is a tuple with an integer member, kept in
+    the EPS's stash arena, and whose head reads the embedding layer's tensor."""
+    got = l2l(cluster, tmp_path, model=model, workers=2, micro_batches=2, extra=extra)
+    mcfg = ModelConfig(model=model, **SMALL_CFG, tie_embeddings="--tie-embeddings" in extra)
+    want = train_resident(mcfg, steps=STEPS, global_micro_batches=4, batch_size=4, lr=1e-3)
+    assert_close(got, want)
+    if model == "gpt":
+        assert torch.equal(got["post.out.weight"], got["pre.tok.weight"])
+
+
+def test_initial_weights_come_from_a_file_layer_by_layer(cluster, tmp_path):
+    """--init-from: the bootstrapping worker reads each layer from the file as it sends it."""
+    net = build_model(ModelConfig(model="bert", seed=7, **SMALL_CFG)).assemble()
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, tmp_path / "init.st")
+    out = tmp_path / "out.safetensors"
+    cluster.run_job(1, *SMALL, "--init-from", str(tmp_path / "init.st"), "--steps", "0",
+                    "--save", str(out))
+    got = load_file(str(out))
+    assert set(got) == set(net.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())

@@ -1,0 +1,464 @@
+"""The EPS core driven in-process: no sockets, no processes, inline engines (each job runs when
+it is submitted; its completion waits until the test polls). The tests choose the order of
+every request and every completion.
+
+Gradients are small integers, so their sums are exact in fp32 whatever the order of addition:
+any two schedules of the same pushes must end with bitwise equal weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eps_server.config import OptimizerConfig, ServerConfig
+from eps_server.core import EpsCore
+from eps_server.engines import Done, Exclusive, Update
+from eps_server.lobby import Lobby
+from eps_server.scheduler import Publish, Saved, UpdateScheduler
+from eps_server.stats import EpsStats
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    Error,
+    Fetch,
+    GradAck,
+    Hello,
+    InitLayer,
+    LayerReady,
+    PushGrad,
+    Save,
+    SetHyper,
+    Status,
+)
+from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout, views
+
+MANIFEST = Manifest(layers=tuple(
+    LayerSpec(name=f"l{i}", kind="k", tensors=(TensorSpec(name="w", shape=(4, 8)),
+                                               TensorSpec(name="b", shape=(8,), group="no_decay")))
+    for i in range(3)), meta={"model": "core-test"})
+LAYOUT = plan_layout(MANIFEST)
+L = len(LAYOUT.layers)
+SGD = OptimizerConfig(name="sgd", lr=0.5, weight_decay=0.0)
+
+
+class Harness:
+    """One core and its peers' inboxes. ``peer(r)`` is rank r's connection identity."""
+
+    def __init__(self, world_size=1, optimizer=SGD, **server):
+        self.cfg = ServerConfig(world_size=world_size, run_id="c" + secrets.token_hex(4),
+                                optimizer=optimizer, **server)
+        self.lobby = Lobby(self.cfg, self.cfg.run_id, EpsStats(), inline=True)
+        self.core: EpsCore | None = None
+        self.inbox: dict[bytes, list] = defaultdict(list)
+
+    @staticmethod
+    def peer(rank: int) -> bytes:
+        return f"rank{rank}".encode()
+
+    def send(self, rank, msg, frames=(), peer=None):
+        peer = peer or self.peer(rank)
+        frames = [memoryview(f) for f in frames]
+        if self.core is None:
+            self.core, outs = self.lobby.handle(peer, msg, frames)
+        else:
+            outs = self.core.handle(peer, msg, frames)
+        self._deliver(outs)
+
+    def poll(self) -> None:
+        self._deliver(self.core.poll())
+
+    def _deliver(self, outs):
+        for out in outs:
+            self.inbox[out.peer].append(out)
+
+    def take(self, rank, req_id, peer=None):
+        """Remove and return the reply to ``req_id`` (None if it has not come)."""
+        box = self.inbox[peer or self.peer(rank)]
+        for i, out in enumerate(box):
+            if out.msg.req_id == req_id:
+                return box.pop(i)
+        return None
+
+    def hello(self, rank, req_id=1, **kw):
+        fields = dict(protocol_version=PROTOCOL_VERSION, rank=rank,
+                      world_size=self.cfg.world_size, manifest_hash=MANIFEST.hash(),
+                      manifest=MANIFEST, transport="frames", grad_dtype="float32")
+        fields.update(kw)
+        self.send(rank, Hello(req_id=req_id, **fields))
+        return self.take(rank, req_id).msg
+
+    def bootstrap(self, value=1.0, grad_dtype="float32"):
+        for r in range(self.cfg.world_size):
+            welcome = self.hello(r, grad_dtype=grad_dtype)
+            assert welcome.init_layers == (tuple(range(L)) if r == 0 else ())
+        for plan in LAYOUT.layers:
+            self.send(0, InitLayer(req_id=100 + plan.index, layer=plan.index),
+                      [torch.full((plan.numel,), value).numpy()])
+        self.poll()
+        assert all(isinstance(self.take(0, 100 + i).msg, Ack) for i in range(L))
+
+    def push(self, rank, step, layer, grad, req_id, dtype="float32"):
+        self.send(rank, PushGrad(req_id=req_id, step=step, layer=layer, rank=rank, slot=-1,
+                                 dtype=dtype), [grad.contiguous().view(torch.uint8).numpy()])
+
+    def master(self, layer, version, rank=0) -> torch.Tensor:
+        self.send(rank, Fetch(req_id=999, layer=layer, min_version=version, which="master"))
+        out = self.take(rank, 999)
+        assert isinstance(out.msg, LayerReady) and out.msg.version == version, out
+        return torch.frombuffer(bytearray(out.frames[0]), dtype=torch.float32)
+
+    def close(self):
+        if self.core is not None:
+            self.core.close(final_save=False)
+
+
+@pytest.fixture
+def make():
+    made = []
+
+    def factory(*args, **kw):
+        made.append(Harness(*args, **kw))
+        return made[-1]
+
+    yield factory
+    for h in made:
+        h.close()
+
+
+def grad_of(layer, value, dtype=torch.float32):
+    """``value`` in every element of the layer's tensors, zero padding."""
+    g = torch.zeros(LAYOUT.layers[layer].numel, dtype=dtype)
+    for v in views(g, LAYOUT.layers[layer]):
+        v.fill_(value)
+    return g
+
+
+def value(rank, step, layer) -> int:
+    return (rank + 1) * (step + 1) + layer  # integers: every sum is exact
+
+
+def error(out) -> Error:
+    assert out is not None and isinstance(out.msg, Error), out
+    return out.msg
+
+
+# ----------------------------------------------------------------------------- interleavings
+
+
+class Worker:
+    """A rank as the core sees it: each step fetches layers 0..L-1 (each waited for), pushes
+    L-1..0 and prefetches layer 0 of the next step before its last push, as the executor does."""
+
+    def __init__(self, h: Harness, rank: int, steps: int):
+        self.h, self.rank = h, rank
+        self.ids = iter(range(1000 * (rank + 1), 1000 * (rank + 2)))
+        self.program = iter(self._program(steps))
+        self.waiting: set[int] = set()  # req_ids whose replies must come before acting
+        self.prefetched: dict[tuple, int] = {}  # (layer, step) -> req_id of an early Fetch
+        self.pushes: set[int] = set()  # this step's pushes, acked by the end of the step
+        self.done = False
+
+    def _program(self, steps):
+        for t in range(steps):
+            for layer in range(L):
+                yield ("fetch", layer, t)
+            for layer in range(L - 1, -1, -1):
+                if layer == 0 and t + 1 < steps:
+                    yield ("prefetch", 0, t + 1)
+                yield ("push", layer, t)
+            yield ("drain", None, t)
+
+    def runnable(self) -> bool:
+        if self.done:
+            return False
+        if self.waiting:
+            box = self.h.inbox[self.h.peer(self.rank)]
+            arrived = {o.msg.req_id for o in box}
+            if not self.waiting <= arrived:
+                return False
+            for rid in self.waiting:
+                out = self.h.take(self.rank, rid)
+                assert not isinstance(out.msg, Error), out.msg
+            self.waiting = set()
+        return True
+
+    def act(self) -> None:
+        try:
+            what, layer, t = next(self.program)
+        except StopIteration:
+            self.done = True
+            return
+        if what in ("fetch", "prefetch"):
+            rid = self.prefetched.pop((layer, t), None)
+            if rid is None:
+                rid = next(self.ids)
+                self.h.send(self.rank, Fetch(req_id=rid, layer=layer, min_version=t))
+            if what == "prefetch":
+                self.prefetched[layer, t] = rid
+            else:
+                self.waiting = {rid}
+        elif what == "push":
+            rid = next(self.ids)
+            self.pushes.add(rid)
+            self.h.push(self.rank, t, layer, grad_of(layer, value(self.rank, t, layer)), rid)
+        else:  # drain: every ack of the step
+            self.waiting, self.pushes = self.pushes, set()
+
+
+def run_schedule(h: Harness, steps: int, choices) -> None:
+    """Run every rank's program; ``choices`` picks who moves next (or a poll) at each point."""
+    workers = [Worker(h, r, steps) for r in range(h.cfg.world_size)]
+    choices = iter(choices)
+    for _ in range(10_000):
+        ready = [w for w in workers if w.runnable()]
+        if not ready and all(w.done for w in workers):
+            h.poll()  # the last updates
+            return
+        options = [*ready, None]  # None: deliver the engines' completions
+        pick = options[next(choices, 0) % len(options)]
+        if pick is None or not ready:
+            h.poll()
+        else:
+            pick.act()
+    raise AssertionError("the schedule did not finish: a deadlock")
+
+
+def final_weights(h: Harness, steps: int) -> list[torch.Tensor]:
+    h.hello(0, req_id=5, manifest=None)  # a fresh connection of rank 0 reads the result
+    return [h.master(layer, steps) for layer in range(L)]
+
+
+STEPS = 2
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world_size=st.integers(1, 3), update=st.sampled_from(["eager", "deferred"]),
+       optimizer=st.sampled_from(["sgd", "adamw"]),
+       choices=st.lists(st.integers(0, 7), max_size=400))
+def test_every_interleaving_ends_with_the_same_weights(world_size, update, optimizer, choices):
+    opt = SGD if optimizer == "sgd" else OptimizerConfig(name="adamw", lr=0.01)
+    results = []
+    for schedule in (choices, []):  # the drawn schedule, and round-robin-by-default
+        h = Harness(world_size, optimizer=opt, update=update)
+        try:
+            h.bootstrap()
+            run_schedule(h, STEPS, schedule)
+            results.append(final_weights(h, STEPS))
+            assert h.core.settled() and h.core.stats.steps_completed == STEPS
+        finally:
+            h.close()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    if optimizer == "sgd":  # and they are what SGD says: w = 1 - lr * sum of gradients
+        for layer, w in enumerate(results[0]):
+            total = sum(value(r, t, layer) for r in range(world_size) for t in range(STEPS))
+            for v in views(w, LAYOUT.layers[layer]):
+                assert torch.equal(v, torch.full_like(v, 1.0 - 0.5 * total))
+
+
+# ----------------------------------------------------------------------------- semantics
+
+
+def test_eager_updates_each_layer_as_its_last_gradient_arrives(make):
+    h = make(2)
+    h.bootstrap()
+    h.send(0, Fetch(req_id=7, layer=2, min_version=1))
+    h.push(0, 0, 2, grad_of(2, 1.0), 8)
+    h.poll()
+    assert isinstance(h.take(0, 8).msg, GradAck) and h.take(0, 7) is None  # waits for rank 1
+    h.push(1, 0, 2, grad_of(2, 3.0), 9)
+    h.poll()
+    ready = h.take(0, 7)
+    assert isinstance(ready.msg, LayerReady) and ready.msg.version == 1
+    assert h.core.store.versions == [0, 0, 1]
+    assert torch.allclose(h.master(2, 1)[:32], torch.full((32,), 1 - 0.5 * 4))
+
+
+def test_deferred_waits_for_the_step_and_clips_globally(make):
+    h = make(1, update="deferred", optimizer=OptimizerConfig(name="sgd", lr=0.1,
+                                                             weight_decay=0.0, clip_norm=1.0))
+    h.bootstrap()
+    values = {2: 3.0, 1: 0.01, 0: 2.0}
+    for i, layer in enumerate((2, 1)):
+        h.push(0, 0, layer, grad_of(layer, values[layer]), 10 + i)
+        h.poll()
+    assert h.core.store.versions == [0, 0, 0]  # nothing before the last layer
+    h.push(0, 0, 0, grad_of(0, values[0]), 12)
+    h.poll()
+    assert h.core.store.versions == [1, 1, 1]
+    coef = 1.0 / (math.sqrt(sum(40 * v * v for v in values.values())) + 1e-6)
+    for layer, v in values.items():
+        got = torch.cat([t.reshape(-1) for t in views(h.master(layer, 1), LAYOUT.layers[layer])])
+        assert torch.allclose(got, torch.full((40,), 1 - 0.1 * v * coef))
+
+
+def test_stale_duplicate_and_bad_pushes_change_nothing(make):
+    h = make(2)
+    h.bootstrap()
+    h.push(0, 1, 2, grad_of(2, 1.0), 10)  # a step ahead
+    assert error(h.take(0, 10)).field == "step"
+    h.push(0, 0, 2, grad_of(2, 1.0), 11)
+    h.push(0, 0, 2, grad_of(2, 1.0), 12)  # duplicate while the first is reduced
+    assert error(h.take(0, 12)).field == "rank"
+    h.send(0, PushGrad(req_id=13, step=0, layer=2, rank=1, slot=-1, dtype="float32"),
+           [grad_of(2, 1.0).numpy()])  # another rank's push from this connection
+    assert error(h.take(0, 13)).field == "rank"
+    bad = grad_of(2, 1.0)
+    bad[3] = float("nan")
+    h.push(1, 0, 2, bad, 14)
+    h.poll()
+    assert error(h.take(1, 14)).field == "frames" and h.core.store.versions[2] == 0
+    h.push(1, 0, 2, grad_of(2, 2.0), 15)  # the refused push may be sent again
+    h.poll()
+    assert isinstance(h.take(1, 15).msg, GradAck) and h.core.store.versions[2] == 1
+    h.push(1, 0, 2, grad_of(2, 2.0), 16)  # stale: layer 2 is at version 1 now
+    assert error(h.take(1, 16)).field == "step"
+    assert torch.allclose(h.master(2, 1)[:32], torch.full((32,), 1 - 0.5 * 3))
+
+
+def test_fetch_rules(make):
+    h = make(1)
+    h.send(0, Fetch(req_id=3, layer=0, min_version=0))
+    assert error(h.take(0, 3)).code == "not_registered"
+    h.bootstrap()
+    h.send(0, Fetch(req_id=4, layer=0, min_version=2))
+    assert error(h.take(0, 4)).field == "min_version"
+    h.send(0, Fetch(req_id=5, layer=9, min_version=0))
+    assert error(h.take(0, 5)).field == "layer"
+    h.push(0, 0, 1, grad_of(1, 1.0), 6)  # reduced; its update not yet taken in...
+    h.send(0, Fetch(req_id=7, layer=1, min_version=0))  # ...version 0 is being replaced
+    assert error(h.take(0, 7)).field == "min_version"
+
+
+def test_save_holds_the_next_step_until_written(make, tmp_path):
+    h = make(1)
+    h.bootstrap()
+    for layer in (2, 1):  # step 0 half done: layers 2, 1 updated, layer 0 not yet pushed
+        h.push(0, 0, layer, grad_of(layer, 1.0), 10 + layer)
+    h.poll()
+    assert h.core.store.versions == [0, 1, 1]
+    h.send(0, Save(req_id=20, path=str(tmp_path / "ckpt")))
+    h.poll()
+    assert h.take(0, 20) is None  # target: step 1, not reached yet
+    h.push(0, 0, 0, grad_of(0, 1.0), 21)
+    h.poll()  # layer 0 reaches 1: the boundary; the checkpoint is written
+    assert isinstance(h.take(0, 20).msg, Ack)
+    state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    assert state["step"] == 1 and state["versions"] == [1, 1, 1]
+
+
+class FakeEngines:
+    """Records the scheduler's jobs instead of running them."""
+
+    def __init__(self):
+        self.jobs, self.layers = [], []
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+    exclusive = submit
+
+
+def test_a_checkpoint_holds_the_updates_past_its_target():
+    """Save while step 1 is under way: the target is the version the updates already sent
+    will reach (2); step 1's other updates still run, step 2's wait until it is written."""
+    store = SimpleNamespace(versions=[1, 1, 1], num_layers=3, step=1)
+    engines = FakeEngines()
+    s = UpdateScheduler(ServerConfig(run_id="x"), store, engines, EpsStats(), "x")
+    s.reduced(2, 1)  # layer 2's step-1 update is sent: it will reach version 2
+    s.request_save("/nowhere", "ticket")
+    assert [type(j) for j in engines.jobs] == [Update]
+    s.reduced(1, 1)  # step 1 (t < target): not held
+    assert [(type(j), j.layer) for j in engines.jobs[1:]] == [(Update, 1)]
+    for job in engines.jobs[:2]:  # both updates finish: layers 2 and 1 at version 2
+        assert s.job_done(Done(job, True)) == [Publish(job.layer, 2)]
+        store.versions[job.layer] = 2
+        s.boundary()
+    s.reduced(2, 2)  # step 2's update of layer 2 would pass the target: held
+    assert len(engines.jobs) == 2
+    s.reduced(0, 1)
+    assert s.job_done(Done(engines.jobs[2], True)) == [Publish(0, 2)]
+    store.versions[0] = 2
+    s.boundary()  # every layer at the target: the checkpoint is sent, still nothing else
+    assert [type(j) for j in engines.jobs[3:]] == [Exclusive]
+    saved = s.job_done(Done(engines.jobs[3], None))
+    assert saved == [Saved("ticket", "/nowhere", 2)]
+    assert [(type(j), j.layer, j.t) for j in engines.jobs[4:]] == [(Update, 2, 2)]  # released
+
+
+def test_set_hyper_applies_from_the_next_update(make):
+    h = make(1)
+    h.bootstrap()
+    h.push(0, 0, 2, grad_of(2, 1.0), 10)
+    h.poll()
+    h.send(0, SetHyper(req_id=11, changes={"lr": 0.25}))
+    assert h.take(0, 11).msg.optimizer["lr"] == 0.25
+    h.push(0, 0, 1, grad_of(1, 1.0), 12)
+    h.poll()
+    assert torch.allclose(h.master(2, 1)[:32], torch.full((32,), 0.5))
+    assert torch.allclose(h.master(1, 1)[:32], torch.full((32,), 0.75))
+    h.send(0, SetHyper(req_id=13, changes={"name": "adamw"}))
+    assert error(h.take(0, 13)).field == "changes"
+
+
+@pytest.mark.parametrize("update", ["eager", "deferred"])
+def test_fp16_overflow_skips_and_halves_the_scale(make, update):
+    h = make(1, precision="fp16", loss_scale=1024.0, update=update)
+    h.bootstrap(grad_dtype="compute")
+    bad = grad_of(2, 1.0, torch.float16)
+    bad[3] = float("inf")
+    h.push(0, 0, 2, bad, 10, dtype="float16")
+    h.push(0, 0, 1, grad_of(1, 512.0, torch.float16), 11, dtype="float16")
+    h.push(0, 0, 0, grad_of(0, 512.0, torch.float16), 12, dtype="float16")
+    h.poll()
+    assert all(isinstance(h.take(0, i).msg, GradAck) for i in (10, 11, 12))
+    assert torch.equal(h.master(2, 1)[:32], torch.ones(32))  # skipped
+    expect = 1.0 if update == "deferred" else 1 - 0.5 * 0.5
+    assert torch.allclose(h.master(1, 1)[:32], torch.full((32,), expect))
+    s = h.core.stats
+    assert s.overflow_steps == 1 and h.core.scheduler.scaler.scale == 512.0
+    assert s.skipped_updates == (3 if update == "deferred" else 1)
+
+
+def test_bye_and_a_replaced_rank_fail_their_waiting_fetches(make):
+    h = make(2)
+    h.bootstrap()
+    h.send(1, Fetch(req_id=5, layer=0, min_version=1))
+    other = b"rank1-restarted"
+    h.send(1, Hello(req_id=7, protocol_version=PROTOCOL_VERSION, rank=1, world_size=2,
+                    manifest_hash=MANIFEST.hash(), transport="frames", grad_dtype="float32"),
+           peer=other)
+    assert error(h.take(1, 5)).code == "bad_request"  # the old connection's wait is over
+    h.send(1, Status(req_id=8), peer=other)
+    assert h.take(1, 8, peer=other).msg.ranks == (0, 1)
+    h.send(1, Fetch(req_id=9, layer=0, min_version=1), peer=other)
+    h.send(1, Bye(req_id=10, rank=1, done=True), peer=other)
+    assert error(h.take(1, 9, peer=other)).code == "bad_request"
+    assert isinstance(h.take(1, 10, peer=other).msg, Ack)
+    assert not h.core.all_done  # rank 0 has not said Bye
+
+
+def test_the_lobby_answers_until_the_first_hello(make):
+    h = make(1)
+    h.send(0, Status(req_id=1))
+    assert h.take(0, 1).msg.versions == () and h.core is None
+    h.send(0, Fetch(req_id=2, layer=0, min_version=0))
+    assert error(h.take(0, 2)).code == "not_registered"
+    h.send(0, SetHyper(req_id=3, changes={"lr": 0.125}))  # the core will start with it
+    assert h.take(0, 3).msg.optimizer["lr"] == 0.125
+    assert h.hello(0, req_id=4, manifest=None).code == "not_ready"
+    assert h.hello(0, req_id=5, world_size=2).field == "world_size"
+    assert h.hello(0, req_id=6, manifest_hash="sha256:0").field == "manifest_hash"
+    assert h.core is None
+    h.bootstrap()
+    assert h.core.cfg.optimizer.lr == 0.125
