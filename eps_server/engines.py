@@ -180,6 +180,7 @@ class Engines:
         self.n = 1 if inline else max(1, min(n, len(layers)))
         self.inline = inline
         self._stopping = False
+        self._parks: list[_Park] = []  # exclusive jobs under way (released on close)
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.n)]
         self._threads = [] if inline else [
             threading.Thread(target=self._run, args=(k,), name=f"eps-engine-{k}", daemon=True)
@@ -199,6 +200,7 @@ class Engines:
         if self.inline or self.n == 1:
             return self.submit_to(0, job)
         park = _Park(threading.Barrier(self.n))
+        self._parks = [p for p in self._parks if not p.release.is_set()] + [park]
         for k in range(1, self.n):
             self._queues[k].put(park)
         self._queues[0].put((park, job))
@@ -212,6 +214,9 @@ class Engines:
     def close(self) -> None:
         """Stop: a running job finishes, queued ones are dropped (idempotent)."""
         self._stopping = True
+        for park in self._parks:  # nobody waits for an exclusive job that will not run
+            park.gate.abort()
+            park.release.set()
         for q in self._queues:
             q.put(None)
         for t in self._threads:
@@ -225,14 +230,20 @@ class Engines:
             if item is None:
                 return
             if isinstance(item, _Park):  # another engine runs an exclusive job
-                item.gate.wait()
+                try:
+                    item.gate.wait()
+                except threading.BrokenBarrierError:  # stopping
+                    continue
                 item.release.wait()
                 continue
             if self._stopping:
                 continue
             if isinstance(item, tuple):  # (park, exclusive job): wait for the others first
                 park, job = item
-                park.gate.wait()
+                try:
+                    park.gate.wait()
+                except threading.BrokenBarrierError:  # stopping
+                    continue
                 try:
                     done = self._execute(job)
                 finally:

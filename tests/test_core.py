@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import secrets
+import threading
+import time
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -21,7 +24,7 @@ from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig, ServerConfig
 from eps_server.core import EpsCore
-from eps_server.engines import Done, Exclusive, Update
+from eps_server.engines import Done, Engines, Exclusive, Reduce, Update
 from eps_server.lobby import Lobby
 from eps_server.scheduler import Publish, Saved, UpdateScheduler
 from eps_server.stats import EpsStats
@@ -462,3 +465,55 @@ def test_the_lobby_answers_until_the_first_hello(make):
     assert h.core is None
     h.bootstrap()
     assert h.core.cfg.optimizer.lr == 0.125
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+class SlowMath:
+    """Stands in for a layer's math: a reduction that takes a while and records when."""
+
+    def __init__(self, log, gate=None):
+        self.log, self.gate = log, gate
+
+    def reduce(self, src, check_finite):
+        self.log.append(("start", src))
+        if self.gate is not None:
+            self.gate.wait(10)
+        else:
+            time.sleep(0.05)
+        self.log.append(("end", src))
+        return True
+
+
+def test_engines_park_for_an_exclusive_job():
+    """A checkpoint runs while no other engine runs anything: engine 1's queued job finishes
+    before it, and engine 1's next job waits until it is done."""
+    log, done = [], queue.SimpleQueue()
+    engines = Engines(None, [SlowMath(log), SlowMath(log)], 2, done.put)
+    try:
+        engines.submit(Reduce(1, 0, "before", False))
+        engines.exclusive(Exclusive(lambda: log.append(("checkpoint", None)), "ckpt"))
+        engines.submit(Reduce(1, 0, "after", False))
+        for _ in range(3):
+            done.get(timeout=10)
+        assert log == [("start", "before"), ("end", "before"), ("checkpoint", None),
+                       ("start", "after"), ("end", "after")]
+    finally:
+        engines.close()
+
+
+def test_engines_stop_while_an_exclusive_job_waits():
+    """close() returns even when the engines were parking for a checkpoint that cannot start
+    (engine 0 busy): the checkpoint is dropped, nobody stays parked."""
+    gate, log = threading.Event(), []
+    engines = Engines(None, [SlowMath(log, gate), SlowMath(log)], 2, lambda d: None)
+    engines.submit(Reduce(0, 0, "busy", False))
+    engines.exclusive(Exclusive(lambda: log.append(("checkpoint", None)), "ckpt"))
+    closer = threading.Thread(target=engines.close)
+    closer.start()
+    time.sleep(0.1)
+    gate.set()  # the running job finishes; then the engines stop
+    closer.join(10)
+    assert not closer.is_alive()
+    assert ("checkpoint", None) not in log
