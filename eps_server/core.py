@@ -136,6 +136,10 @@ class EpsCore:
     def settled(self) -> bool:
         return self.scheduler.settled()
 
+    def idle(self) -> bool:
+        """Settled, and no checkpoint waiting or being written."""
+        return self.scheduler.settled() and not self.scheduler.saving
+
     def close(self, final_save: bool = True) -> None:
         """Stop the engines (a running job finishes), write the final checkpoint (--server-save)
         unless a step is half done, release shared memory."""

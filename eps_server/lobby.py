@@ -81,6 +81,9 @@ class Lobby:
             return None, [self._other(peer, msg)]
         except RequestError as e:
             return None, [error_out(peer, msg.req_id, e.code, str(e), e.field)]
+        except Exception as e:  # a bug: report it, keep serving
+            log.exception("internal error handling %s", type(msg).__name__)
+            return None, [error_out(peer, msg.req_id, "internal", f"{type(e).__name__}: {e}")]
 
     def _hello(self, peer: bytes, msg: Hello, frames):
         check_hello(self.cfg, msg)

@@ -146,6 +146,11 @@ class UpdateScheduler:
         """No update pending or running and every layer at the same version."""
         return not self.pending and min(self.versions) == max(self.versions)
 
+    @property
+    def saving(self) -> bool:
+        """A checkpoint is waiting for its boundary or being written."""
+        return bool(self._saves)
+
     # -- checkpoints -------------------------------------------------------------------
 
     def request_save(self, path: str, ticket) -> None:

@@ -13,7 +13,6 @@ import logging
 import os
 import secrets
 import signal
-import time
 
 import torch
 import zmq
@@ -49,8 +48,8 @@ class EpsServer:
         self.lobby = Lobby(cfg, self.run_id, **self._core_kw)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._polling = False
-        self._done_since: float | None = None
+        self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
+        self._settle_timer: asyncio.TimerHandle | None = None
         torch.set_num_threads(cfg.threads)
 
     async def serve(self) -> None:
@@ -81,7 +80,10 @@ class EpsServer:
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
-            stats = await asyncio.to_thread(self.close)
+            core, self.core = self.core, None  # taken on the loop: no poll touches it again
+            if self._poller is not None:
+                await asyncio.gather(self._poller, return_exceptions=True)
+            stats = await asyncio.to_thread(self._close, core)
             self.events.emit(ServerStats(stats=stats))
             self.events.close()
             self.sock.close()
@@ -89,12 +91,15 @@ class EpsServer:
             remove_ipc(self.cfg.endpoint)
 
     def close(self) -> dict:
-        """Stop the engines, write the final checkpoint (if asked and settled), release shared
-        memory; returns the final statistics. Idempotent, also called on an abnormal exit."""
+        """Idempotent clean-up, also after an abnormal exit (see _close)."""
         core, self.core = self.core, None
-        if core is None:
-            stats = self.stats.snapshot()
-        else:
+        return self._close(core)
+
+    def _close(self, core: EpsCore | None) -> dict:
+        """Stop the engines, write the final checkpoint (if asked and settled), release shared
+        memory; returns the final statistics."""
+        stats = self.stats.snapshot()
+        if core is not None:
             core.close()
             stats = core.status_stats()
         self.tracer.close()
@@ -105,8 +110,11 @@ class EpsServer:
     async def _receive(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            await self._send(self._dispatch(frames[0].bytes, frames[1:]))
-            self._check_exit()
+            try:
+                await self._send(self._dispatch(frames[0].bytes, frames[1:]))
+                self._check_exit()
+            except Exception:  # a bug: never stop receiving because of one message
+                log.exception("internal error serving a message")
 
     def _dispatch(self, identity: bytes, frames: list) -> list[Out]:
         self.stats.messages += 1
@@ -118,7 +126,11 @@ class EpsServer:
             return [Out(identity, decode_error(frames, e))]
         if self.core is not None:
             return self.core.handle(identity, msg, tensor_frames)
-        self.core, outs = self.lobby.handle(identity, msg, tensor_frames)
+        core, outs = self.lobby.handle(identity, msg, tensor_frames)
+        if core is not None and self._stop.is_set():  # created while stopping: undo
+            core.close(final_save=False)
+        else:
+            self.core = core
         return outs
 
     async def _send(self, outs: list[Out]) -> None:
@@ -134,36 +146,47 @@ class EpsServer:
             pass
 
     def _schedule_poll(self) -> None:
-        if not self._polling and self.core is not None:
-            self._polling = True
-            self._loop.create_task(self._poll())
+        if self.core is not None and (self._poller is None or self._poller.done()):
+            self._poller = self._loop.create_task(self._poll())
+            self._poller.add_done_callback(_log_failure)
 
     async def _poll(self) -> None:
-        try:
-            while self.core is not None:
-                outs = self.core.poll()
-                if not outs:
-                    break
-                await self._send(outs)
-        finally:
-            self._polling = False
+        """Send what the engines' finished jobs made due, until none is left (a completion
+        that arrives while sending is taken by the next round of this loop)."""
+        while self.core is not None:
+            outs = self.core.poll()
+            if not outs:
+                break
+            await self._send(outs)
         self._check_exit()
 
     def _check_exit(self) -> None:
-        """--exit-when-done: stop once every worker finished and the last updates are in."""
+        """--exit-when-done: stop once every worker finished and the last updates and
+        checkpoints are in, or SETTLE_TIMEOUT after the last worker finished."""
         core = self.core
-        if not self.cfg.exit_when_done or core is None or not core.all_done:
+        if not self.cfg.exit_when_done or core is None:
             return
-        if self._done_since is None:
-            self._done_since = time.monotonic()
+        if not core.all_done:  # a rank came back: start over when it is done again
+            if self._settle_timer is not None:
+                self._settle_timer.cancel()
+                self._settle_timer = None
+            return
+        if self._settle_timer is None:
             log.info("all %d workers are done; exiting once the last updates are in",
                      self.cfg.world_size)
-            self._loop.call_later(SETTLE_TIMEOUT, self._check_exit)
-        if core.settled():
+            self._settle_timer = self._loop.call_later(SETTLE_TIMEOUT, self._give_up)
+        if core.idle():
+            self._settle_timer.cancel()
             self._loop.call_later(0.05, self._stop.set)  # let the last replies go out
-        elif time.monotonic() - self._done_since >= SETTLE_TIMEOUT:
-            log.warning("the last step's updates did not finish within %.0f s", SETTLE_TIMEOUT)
-            self._stop.set()
+
+    def _give_up(self) -> None:
+        log.warning("the last step's updates did not finish within %.0f s", SETTLE_TIMEOUT)
+        self._stop.set()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("sending the engines' replies failed", exc_info=task.exception())
 
 
 def decode_error(frames: list, e: codec.DecodeError) -> Error:

@@ -120,7 +120,7 @@ def check_value(tp: Any, value: Any, path: str) -> Any:
     """``value`` as type ``tp`` (an int is accepted for a float), else ConfigError."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        if value not in typing.get_args(tp):
+        if not any(type(value) is type(a) and value == a for a in typing.get_args(tp)):
             raise ConfigError(f"{path}: must be one of {', '.join(map(repr, typing.get_args(tp)))}"
                               f", got {value!r}")
         return value
@@ -186,7 +186,10 @@ def load_file(path: str) -> dict:
         except ImportError:
             raise ConfigError(f"{path}: reading YAML needs PyYAML (pip install pyyaml); "
                               "or write the config as JSON") from None
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
     else:
         try:
             data = json.loads(text)

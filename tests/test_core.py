@@ -1,6 +1,7 @@
 """The EPS core driven in-process: no sockets, no processes, inline engines (each job runs when
 it is submitted; its completion waits until the test polls). The tests choose the order of
-every request and every completion.
+every request and when completions are taken in (inline, they finish in submission order; the
+threaded engines are tested on their own at the end).
 
 Gradients are small integers, so their sums are exact in fp32 whatever the order of addition:
 any two schedules of the same pushes must end with bitwise equal weights.

@@ -164,15 +164,17 @@ def test_binding_is_by_name():
         binder.bind({k: v for k, v in named.items() if k != "norm1.bias"})
 
 
-@pytest.mark.parametrize("model", ["gpt-tied", "tests.toy_model:GatedModel"])
+@pytest.mark.parametrize("model", ["gpt-tied", "tests.toy_model:GatedModel",
+                                   "tests.toy_model:SharedEmbeddingModel"])
 def test_l2l_loop_equals_plain_training_for_ties_and_tuple_boundaries(model):
     """The executor (weights local, per-layer AdamW) trains a GPT whose head is tied to its
-    embedding, and a model whose boundary is a tuple with an integer member and whose head
-    reads the embedding, exactly as plain PyTorch trains the assembled model (dropout on)."""
+    embedding, a model whose boundary is a tuple with an integer member and whose head reads
+    the embedding, and one whose every block reads it too (the kept last block among them),
+    exactly as plain PyTorch trains the assembled model (dropout on)."""
     from .baseline import assert_close, train_local_l2l, train_resident
 
     c = (cfg("gpt", tie_embeddings=True) if model == "gpt-tied"
-         else cfg(model, dropout=0.2))
+         else cfg(model, dropout=0.2, layers=3))
     got = train_local_l2l(c, steps=3, micro_batches=2, batch_size=4)
     want = train_resident(c, steps=3, global_micro_batches=2, batch_size=4)
     assert_close(got, want)

@@ -118,8 +118,6 @@ def test_other_layered_networks_equal_plain_pytorch(cluster, tmp_path, model, ex
     mcfg = ModelConfig(model=model, **SMALL_CFG, tie_embeddings="--tie-embeddings" in extra)
     want = train_resident(mcfg, steps=STEPS, global_micro_batches=4, batch_size=4, lr=1e-3)
     assert_close(got, want)
-    if model == "gpt":
-        assert torch.equal(got["post.out.weight"], got["pre.tok.weight"])
 
 
 def test_initial_weights_come_from_a_file_layer_by_layer(cluster, tmp_path):

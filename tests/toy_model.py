@@ -77,3 +77,29 @@ class GatedModel(LayeredModel):
 
     def ties(self):
         return {("post", "tok.weight"): ("pre", "tok.weight")}
+
+
+class ReaderBlock(GatedBlock):
+    """A gated block that also reads the (tied) token embedding of the ids it is passed."""
+
+    def __init__(self, vocab: int, hidden: int, dropout: float):
+        super().__init__(hidden, dropout)
+        self.tok = nn.Embedding(vocab, hidden)
+
+    def forward(self, x, batch):
+        h, g, ids = super().forward(x, batch)
+        return h + 0.5 * self.tok(ids), g, ids
+
+
+class SharedEmbeddingModel(GatedModel):
+    """Every block and the head read pre's token embedding: one tensor, many readers."""
+
+    def make_stage(self, kind: str) -> nn.Module:
+        if kind == "block":
+            return ReaderBlock(self.cfg.vocab, self.cfg.hidden, self.cfg.dropout)
+        return super().make_stage(kind)
+
+    def ties(self):
+        ties = {(f"blocks.{i}", "tok.weight"): ("pre", "tok.weight")
+                for i in range(self.cfg.layers)}
+        return {**ties, **super().ties()}

@@ -88,6 +88,8 @@ class Executor:
         t0 = time.perf_counter()
         with self.tracer.span("data", "data"):
             batches = [b.to(self.device) for b in self.sharder.batches(step, self.micro_batches)]
+        for buf in self.tie_grads.values():
+            buf.zero_()
         last = len(self.plans) - 1
         # The last block runs its forward with grad and keeps the graph until its backward,
         # which follows the head's at once: one recompute less per step, one layer's memory.
@@ -172,7 +174,8 @@ class Executor:
                 self.source.prefetch(0, step + 1)  # answered once the EPS has updated layer 0
             stage = self.binders[plan.kind].bind(leaves)
             slot, acc = self.source.grad_buffer(plan)
-            targets = [*named_views(acc, plan).values(), *self._tie_grads(plan)]
+            targets = list(named_views(acc, plan).values())
+            tie_targets = self._tie_grads(plan)
             weights = [leaves[s.name] for s in plan.tensors] + [leaves[t.name] for t in plan.ties]
             for i, batch in enumerate(batches):
                 if kept:
@@ -202,18 +205,22 @@ class Executor:
                     it = iter(grads[:len(x_parts)])
                     dx[i] = shaped_like(x_in, [next(it) if t.requires_grad else None
                                                for t in members(x_in)])
-                grads = list(grads[len(x_parts):])
+                grads = grads[len(x_parts):]
+                own = list(grads[:len(targets)])
                 if i == 0:
-                    torch._foreach_copy_(targets, grads)
+                    torch._foreach_copy_(targets, own)
                 else:
-                    torch._foreach_add_(targets, grads)
+                    torch._foreach_add_(targets, own)
+                for buf, g in zip(tie_targets, grads[len(targets):]):
+                    buf.add_(g)  # several readers (or tensors) may share one buffer
             self._add_tie_grads(layer, acc)
         self.source.release(layer, step)
         self.source.push(step, plan, slot, acc)
         return loss_sum, correct_sum
 
     def _tie_grads(self, plan) -> list[torch.Tensor]:
-        """fp32 accumulators of this layer's gradients of tied tensors (kept across steps)."""
+        """fp32 accumulators of the gradients of tied tensors, one per owner's tensor, summed
+        over every reader and micro-batch (zeroed at the start of a step)."""
         out = []
         for tie in plan.ties:
             key = (tie.owner, tie.tensor)

@@ -162,7 +162,9 @@ class DeviceGrads(StagedGrads):
 
 
 def _settle(result: Future, source: Future) -> None:
-    if source.exception() is not None:
+    if source.cancelled():
+        result.cancel()
+    elif source.exception() is not None:
         result.set_exception(source.exception())
     else:
         result.set_result(source.result())
