@@ -62,7 +62,7 @@ def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size:
     sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
     ex = Executor(model, layout, source, sharder, device=torch.device(device),
                   micro_batches=range(micro_batches), steps=warmup + steps,
-                  dropout=mcfg.dropout, seed=mcfg.seed)
+                  dropout=model.dropout, seed=mcfg.seed)
     return timed_steps(ex.run_step, steps, warmup, device)
 
 

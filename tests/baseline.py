@@ -51,10 +51,11 @@ def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) 
 
 
 def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_size: int,
-                    lr: float = 1e-3) -> dict[str, torch.Tensor]:
+                    lr: float = 1e-3, data=None) -> dict[str, torch.Tensor]:
     """The L2L executor in this process against weights held locally (bench.local.LocalSource,
     the same per-layer AdamW as the EPS): the loop without the server. Returns the assembled
-    model's state dict names (a tied tensor under each of its names)."""
+    model's state dict names (a tied tensor under each of its names), or for an hf: model the
+    checkpoint's names (each tensor once)."""
     from bench.local import LocalSource
     from eps_server.config import OptimizerConfig
     from protocol.tensors import named_views, plan_layout
@@ -63,12 +64,16 @@ def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_
     model = build_model(mcfg)
     layout = plan_layout(model.manifest())
     source = LocalSource(model, layout, OptimizerConfig(lr=lr))
-    ex = Executor(model, layout, source, Sharder(build_task(model), batch_size, micro_batches),
+    task = build_task(model, data, micro_batch_size=batch_size, global_micro_batches=micro_batches)
+    ex = Executor(model, layout, source, Sharder(task, batch_size, micro_batches),
                   device=torch.device("cpu"), micro_batches=range(micro_batches), steps=steps,
-                  dropout=mcfg.dropout, seed=mcfg.seed)
+                  dropout=model.dropout, seed=mcfg.seed)
     for step in range(steps):
         ex.run_step(step)
     named = [named_views(flat, plan) for plan, flat in zip(layout.layers, source.flats)]
+    if hasattr(model, "family"):
+        return {model.family.hf_name(plan.name, n): v
+                for plan in layout.layers for n, v in named[plan.index].items()}
     out = {}
     for plan in layout.layers:
         out.update({f"{plan.name}.{n}": v for n, v in named[plan.index].items()})

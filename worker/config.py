@@ -19,8 +19,9 @@ class ModelConfig:
     """A layered network: ``pre`` (embeddings) -> ``layers`` blocks -> ``post`` (head + loss)."""
 
     model: str = "bert"
-    """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), or
-    package.module:Class, a worker.models.LayeredModel of your own built from this config."""
+    """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), hf:PATH (a local
+    Hugging Face directory: BERT, GPT-2, Llama/Mistral/Qwen2), or package.module:Class, a
+    worker.models.LayeredModel of your own built from this config."""
     layers: int = 4
     """Number of transformer blocks (the layers between pre and post)."""
     hidden: int = 64
@@ -47,8 +48,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model not in BUILTIN_MODELS and ":" not in self.model:
-            raise ValueError(f"model must be one of {BUILTIN_MODELS} or package.module:Class, "
-                             f"got {self.model!r}")
+            raise ValueError(f"model must be one of {BUILTIN_MODELS}, hf:PATH or "
+                             f"package.module:Class, got {self.model!r}")
         if self.layers < 1 or self.hidden < 1 or self.seq_len < 2 or self.heads < 1:
             raise ValueError("layers, hidden and heads must be >= 1 and seq_len >= 2")
         if self.hidden % self.heads:
@@ -61,11 +62,36 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """What the model is trained on (chosen apart from the model)."""
+    """What the model is trained (and evaluated) on, chosen apart from the model."""
 
-    task: Literal["auto", "trigger", "markov"] = "auto"
-    """trigger: planted-rule classification; markov: a synthetic Markov language (next-token
-    prediction); auto: the model's own default (bert: trigger, gpt: markov)."""
+    task: Literal["auto", "trigger", "markov", "text"] = "auto"
+    """text: the file --data names; trigger: planted-rule classification; markov: a synthetic
+    Markov language (next-token prediction); auto: text when --data is given, else the
+    model's own (bert: trigger, gpt: markov)."""
+    data: str = ""
+    """Training data: .tsv/.csv (GLUE layout: classification), .jsonl ("text" + "label", or
+    "text" alone for language modelling), .txt (language modelling), .bin (token ids)."""
+    data_format: Literal["auto", "tsv", "csv", "jsonl", "txt", "tokens"] = "auto"
+    """Format of --data and --eval-data; auto: from the file extension."""
+    text_column: str = "sentence"
+    """TSV/CSV: the column holding the text."""
+    text_pair_column: str = ""
+    """TSV/CSV: a second text column (sentence pairs), or empty."""
+    label_column: str = "label"
+    """TSV/CSV: the column holding the integer label in [0, classes)."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a token-id file."""
+    shuffle: bool = True
+    """Shuffle the samples anew each epoch, by (seed, epoch)."""
+    eval_data: str = ""
+    """Evaluation data (same formats): accuracy, or loss and perplexity, after training and
+    every --eval-every steps."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only after the last step, when --eval-data is given)."""
+
+    def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError("eval_every must be >= 0")
 
 
 @dataclass(kw_only=True)

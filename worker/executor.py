@@ -73,7 +73,7 @@ class Executor:
         self.tracer = tracer
         self.streams = Streams(device)
         # One weightless template module per stage kind, bound to a layer's weights per visit.
-        self.binders = {kind: model.template(kind) for kind in {p.kind for p in self.plans}}
+        self.binders = {kind: model.template(kind, device) for kind in {p.kind for p in self.plans}}
         self.stash = make_stash(stash, source, self.streams, len(self.plans) - 2,
                                 len(self.micro_batches))
         # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.

@@ -11,7 +11,6 @@ from dataclasses import asdict
 import torch
 
 from protocol.events import EventWriter, StepDone
-from protocol.safetensors_io import write_safetensors
 from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
@@ -43,20 +42,16 @@ def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
         client.wait(fut)
 
 
-def save_model(client: EpsClient, regions: Regions, layout: Layout, version: int, path: str,
-               metadata: dict) -> None:
-    """Write the fp32 master at ``version`` as the assembled nn.Module's state dict (a tied
-    tensor under each of its names, as the module's state dict has it)."""
-    tensors, keep, by_layer = [], [], {}
+def save_model(client: EpsClient, regions: Regions, model, layout: Layout, version: int,
+               path: str, metadata: dict) -> None:
+    """Export the fp32 master at ``version`` in the model's own format (model.export)."""
+    tensors, keep = {}, []
     for plan in layout.layers:
         ready, frames = client.wait(client.fetch(plan.index, version, which="master"))
         keep.append(frames)  # frames must outlive the views written below
-        by_layer[plan.index] = named_views(layer_view(regions, plan, ready, frames), plan)
-        for name, view in by_layer[plan.index].items():
-            tensors.append((f"{plan.name}.{name}", view))
-        for tie in plan.ties:
-            tensors.append((f"{plan.name}.{tie.name}", by_layer[tie.owner][tie.tensor]))
-    write_safetensors(path, tensors, metadata)
+        for name, view in named_views(layer_view(regions, plan, ready, frames), plan).items():
+            tensors[plan.name, name] = view
+    model.export(path, tensors, metadata)
 
 
 def run_worker(args: WorkerArgs) -> dict:
@@ -67,7 +62,8 @@ def run_worker(args: WorkerArgs) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = build_model(mcfg)
-    task = build_task(model, args.data)
+    task = build_task(model, args.data, micro_batch_size=cfg.micro_batch_size,
+                      global_micro_batches=cfg.global_micro_batches)
     manifest = model.manifest()
     layout = plan_layout(manifest)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout)
@@ -93,7 +89,8 @@ def run_worker(args: WorkerArgs) -> dict:
         source = make_source(client, welcome, layout, cfg, device, tracer)
         executor = Executor(model, layout, source, sharder, device=device,
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
-                            dropout=mcfg.dropout, seed=mcfg.seed, stash=cfg.stash, tracer=tracer)
+                            dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
+                            tracer=tracer)
         t_start = time.perf_counter()
         for step in range(welcome.step, cfg.steps):
             r = executor.run_step(step)
@@ -104,7 +101,7 @@ def run_worker(args: WorkerArgs) -> dict:
         elapsed = time.perf_counter() - t_start
         peak = memory.value()
         if cfg.save and cfg.rank == 0:
-            save_model(client, source.regions, layout, cfg.steps, cfg.save,
+            save_model(client, source.regions, model, layout, cfg.steps, cfg.save,
                        {"format": "pt", "model_config": json.dumps(asdict(mcfg)),
                         "steps": str(cfg.steps)})
             log.info("rank 0: model saved to %s", cfg.save)

@@ -12,9 +12,14 @@ MODELS: dict[str, type[LayeredModel]] = {"bert": BertModel, "gpt": GptModel}
 
 
 def model_class(name: str) -> type[LayeredModel]:
-    """A built-in model by name, or ``package.module:Class`` (a LayeredModel subclass)."""
+    """A built-in model by name, ``hf:PATH`` (a Hugging Face directory), or
+    ``package.module:Class`` (a LayeredModel subclass)."""
     if name in MODELS:
         return MODELS[name]
+    if name.startswith("hf:"):
+        from .hf import HfModel
+
+        return HfModel
     module_name, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)

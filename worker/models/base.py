@@ -41,10 +41,15 @@ class Batch:
     inputs: torch.Tensor  # (B, T) int64 token ids
     targets: torch.Tensor  # (B,) class ids or (B, T) next-token ids (-100: no target)
     norm: float
+    mask: torch.Tensor | None = None  # (B, T) 1 for real tokens, 0 for padding; None: no padding
+    token_types: torch.Tensor | None = None  # (B, T) segment ids of sentence pairs (BERT)
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.inputs.to(device, non_blocking=True),
-                     self.targets.to(device, non_blocking=True), self.norm)
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(move(self.inputs), move(self.targets), self.norm, move(self.mask),
+                     move(self.token_types))
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -92,6 +97,25 @@ def param_group(name: str, p: torch.Tensor) -> str:
     return "decay" if p.ndim >= 2 else "no_decay"
 
 
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules whose parameters are moved to the meta device as they are registered
+    (their initialisers then run on meta: nothing is computed), while buffers are computed for
+    real: what ``accelerate.init_empty_weights(include_buffers=False)`` does."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 class Binder:
     """Binds one template module (per stage kind, holding no weights of its own) to a layer's
     weights for one visit, by parameter name: each parameter slot is pointed at the tensor of
@@ -131,6 +155,7 @@ class LayeredModel:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.dropout = float(getattr(cfg, "dropout", 0.0))  # > 0: masks are seeded per layer
         self._loader = None
 
     # -- to be provided by subclasses -------------------------------------------------------
@@ -165,11 +190,17 @@ class LayeredModel:
                            tie=ties.get((name, n))) for n, p in module.named_parameters())))
         return Manifest(layers=tuple(layers), meta=self.meta())
 
-    def template(self, kind: str) -> Binder:
-        """A module of ``kind`` built on the meta device (it owns no memory); its parameters
-        are bound to a layer's weights on each visit, on whatever device those live."""
-        with torch.device("meta"):
-            return Binder(self.make_stage(kind))
+    def template(self, kind: str, device: torch.device | str = "cpu") -> Binder:
+        """A module of ``kind`` whose parameters live on the meta device (no memory; they are
+        bound to a layer's weights on each visit) and whose buffers (e.g. rotary frequencies)
+        are real, on ``device``."""
+        with params_on_meta():
+            module = self.make_stage(kind)
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[name] = buf.to(device)
+        return Binder(module)
 
     def init_stage(self, index: int) -> nn.Module:
         """Layer ``index`` as a module holding its random initial weights (a pure function of
@@ -196,6 +227,17 @@ class LayeredModel:
         assert plan.index == index
         return flat_of(self.loader(), plan)
 
+    def export(self, path: str, tensors: dict[tuple[str, str], torch.Tensor],
+               metadata: dict) -> None:
+        """Write trained weights ((layer, tensor) -> value, each layer's own) as the assembled
+        module's state dict (safetensors; a tied tensor under each of its names)."""
+        from protocol.safetensors_io import write_safetensors
+
+        named = {f"{layer}.{name}": t for (layer, name), t in tensors.items()}
+        for (reader, name), (owner, source) in self.ties().items():
+            named[f"{reader}.{name}"] = tensors[owner, source]
+        write_safetensors(path, list(named.items()), metadata)
+
     def assemble(self) -> AssembledModel:
         """The whole network as one nn.Module with the initial weights (tied tensors shared)."""
         stages = []
@@ -221,7 +263,7 @@ class AssembledModel(nn.Module):
 
     def __init__(self, layered: LayeredModel, stages: list[nn.Module]):
         super().__init__()
-        self.dropout = float(getattr(layered.cfg, "dropout", 0.0))
+        self.dropout = layered.dropout
         self.pre = stages[0]
         self.blocks = nn.ModuleList(stages[1:-1])
         self.post = stages[-1]

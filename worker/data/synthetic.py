@@ -1,17 +1,12 @@
-"""Seeded synthetic tasks that a model can really learn, sharded by global micro-batch index.
-
-Every micro-batch is a pure function of (seed, step, global micro-batch index): worker r with u
-micro-batches per step takes global indices [r*u, (r+1)*u), so N workers together see exactly
-the minibatch one worker with N*u micro-batches sees, and a resumed run sees the same data as
-an uninterrupted one.
-"""
+"""Seeded synthetic tasks that a model can really learn: every micro-batch is a pure function
+of (seed, step, global micro-batch index)."""
 
 from __future__ import annotations
 
 import torch
 
-from .config import DataConfig, ModelConfig
-from .models.base import Batch, LayeredModel, derive_seed
+from ..config import ModelConfig
+from ..models.base import Batch, derive_seed
 
 
 class TriggerTask:
@@ -30,8 +25,9 @@ class TriggerTask:
         if self.first_neutral >= self.cls_token:
             raise ValueError("vocab too small for the trigger task: need > classes*4 + 1 tokens")
 
-    def loss_terms(self, samples: int) -> int:
-        return samples
+    def loss_terms(self, step: int, size: int, count: int) -> int:
+        """Loss terms of a whole step (``count`` micro-batches of ``size``): one per sample."""
+        return size * count
 
     def micro_batch(self, step: int, index: int, size: int, norm: float) -> Batch:
         c = self.cfg
@@ -73,8 +69,9 @@ class MarkovTask:
         h_row = -(self.probs.double() * self.probs.double().log()).sum(-1)
         return float((pi * h_row).sum())
 
-    def loss_terms(self, samples: int) -> int:
-        return samples * (self.cfg.seq_len - 1)
+    def loss_terms(self, step: int, size: int, count: int) -> int:
+        """Loss terms of a whole step: every position but the last of every sample."""
+        return size * count * (self.cfg.seq_len - 1)
 
     def micro_batch(self, step: int, index: int, size: int, norm: float) -> Batch:
         c = self.cfg
@@ -87,31 +84,3 @@ class MarkovTask:
         # Position t predicts token t+1; the last position has no target (-100 is ignored).
         targets = torch.cat([seq[:, 1:], torch.full((size, 1), -100)], dim=1)
         return Batch(seq, targets, norm)
-
-
-TASKS = {"trigger": TriggerTask, "markov": MarkovTask}
-
-
-def build_task(model: LayeredModel, data: DataConfig | None = None):
-    """The task ``data.task`` names (``auto``, the default: the model's own), checked against
-    what the model's head trains on."""
-    task = (data or DataConfig()).task
-    name = model.default_task if task == "auto" else task
-    task = TASKS[name](model.cfg)
-    if task.objective != model.objective:
-        raise ValueError(f"task {name} produces {task.objective} targets, but model "
-                         f"{model.cfg.model} trains a {model.objective} head")
-    return task
-
-
-class Sharder:
-    """The micro-batches of one worker for a step, with the global loss normaliser."""
-
-    def __init__(self, task, micro_batch_size: int, global_micro_batches: int):
-        self.task = task
-        self.size = micro_batch_size
-        self.norm = float(task.loss_terms(micro_batch_size * global_micro_batches))
-
-    def batches(self, step: int, indices) -> list[Batch]:
-        return [self.task.micro_batch(step, i, self.size, self.norm) for i in indices]
-

@@ -1,0 +1,112 @@
+"""Tiny Hugging Face models, tokenizers and data files, made in a temporary directory (nothing
+is downloaded): what a user's ``save_pretrained`` directory looks like, at hidden size 32."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+WORDS = ("the a one some this that movie film story plot actor scene music ending good bad "
+         "great awful fine dull bright dark not very quite really so and but it was is seemed "
+         "felt looked").split()
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def tokenizer(path: Path, kind: str = "bert"):
+    """A word-level fast tokenizer over WORDS, saved with save_pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + list(WORDS) + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if kind == "bert":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                       pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                                       mask_token="[MASK]")
+    else:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                       pad_token="[PAD]", eos_token="[SEP]", bos_token="[CLS]")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
+    """A save_pretrained directory of a tiny model of ``family``: bert (sequence classifier,
+    3 labels), bert-base (BertModel alone), gpt2 (tied), llama (grouped-query attention),
+    qwen2 (tied embeddings, attention biases), mistral (sliding window)."""
+    import transformers as tf
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = len(SPECIAL) + len(WORDS) + 1
+    torch.manual_seed(seed)
+    if family in ("bert", "bert-base"):
+        cfg = tf.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=64,
+                            max_position_embeddings=64, num_labels=3, **over)
+        model = (tf.BertForSequenceClassification if family == "bert" else tf.BertModel)(cfg)
+        tokenizer(path, "bert")
+    elif family == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                            **over)
+        model = tf.GPT2LMHeadModel(cfg)
+        tokenizer(path, "lm")
+    else:
+        common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, attention_dropout=0.1)
+        if family == "llama":
+            cfg = tf.LlamaConfig(**common, tie_word_embeddings=False, **over)
+            model = tf.LlamaForCausalLM(cfg)
+        elif family == "qwen2":
+            cfg = tf.Qwen2Config(**common, tie_word_embeddings=True, **over)
+            model = tf.Qwen2ForCausalLM(cfg)
+        else:
+            cfg = tf.MistralConfig(**common, sliding_window=4, **over)
+            model = tf.MistralForCausalLM(cfg)
+        tokenizer(path, "lm")
+    model.save_pretrained(str(path))
+    return path
+
+
+def sentences(n: int, seed: int = 0, min_words: int = 2, max_words: int = 9) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
+            for _ in range(n)]
+
+
+def classification_tsv(path: Path, n: int = 48, seed: int = 0, pairs: bool = False) -> Path:
+    """Sentences of varying length (so batches are padded), labels 0..2 from their words."""
+    texts = sentences(n, seed)
+    seconds = sentences(n, seed + 1)
+    lines = ["sentence\tlabel" if not pairs else "sentence1\tsentence2\tlabel"]
+    for t, u in zip(texts, seconds):
+        label = (t.count("good") + t.count("great") - t.count("bad")) % 3
+        lines.append(f"{t}\t{label}" if not pairs else f"{t}\t{u}\t{label}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def lm_jsonl(path: Path, n: int = 48, seed: int = 0) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in sentences(n, seed)))
+    return path
+
+
+def tokens_bin(path: Path, n: int = 4000, vocab: int | None = None, seed: int = 0,
+               dtype: str = "uint16") -> Path:
+    """Token ids (nanoGPT's .bin): a repetitive stream a small LM can learn."""
+    import numpy as np
+
+    vocab = vocab or len(SPECIAL) + len(WORDS) + 1
+    rng = np.random.default_rng(seed)
+    phrase = rng.integers(len(SPECIAL), vocab, size=7)
+    ids = np.where(rng.random(n) < 0.8, np.resize(phrase, n), rng.integers(0, vocab, size=n))
+    ids.astype(dtype).tofile(path)
+    return path

@@ -1,0 +1,118 @@
+"""Hugging Face models (--model hf:DIR) against the library's own models: tiny BERT, GPT-2,
+Llama, Qwen2 and Mistral directories made by save_pretrained in a temporary directory.
+
+L2L (the executor, weights held locally: tests.baseline.train_local_l2l) trains them exactly
+as the library's model trains itself (all layers resident, torch AdamW, gradient accumulation
+over the same micro-batches, each layer's dropout seeded alike, padding in the batches): within
+1e-5 absolute + 1e-4 relative after 3 steps. The process-level runs are in test_hf_jobs.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import DataConfig, ModelConfig
+from worker.data import build_task
+from worker.models import build_model
+
+from . import hf_fixtures as fx
+from .baseline import assert_close, train_local_l2l
+from .hf_baseline import train_hf
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16
+
+
+def data_for(family: str, tmp_path, pairs: bool = False) -> DataConfig:
+    if family.startswith("bert"):
+        tsv = fx.classification_tsv(tmp_path / "train.tsv", pairs=pairs)
+        return DataConfig(data=str(tsv), text_column="sentence1" if pairs else "sentence",
+                          text_pair_column="sentence2" if pairs else "")
+    if family == "qwen2":  # its tokenizer class would not take the fixture's word vocabulary
+        return DataConfig(data=str(fx.tokens_bin(tmp_path / "train.bin")))
+    return DataConfig(data=str(fx.lm_jsonl(tmp_path / "train.jsonl")))
+
+
+@pytest.mark.parametrize("family, pairs", [("bert", True), ("gpt2", False), ("llama", False),
+                                           ("qwen2", False), ("mistral", False)])
+def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs):
+    """BERT classifier on sentence pairs (token types), GPT-2 with its tied LM head, Llama
+    with grouped-query attention, Qwen2 (tied, attention biases) on token ids, Mistral with a
+    sliding window shorter than the sequence; dropout 0.1 everywhere it exists."""
+    path = fx.model_dir(tmp_path / "model", family)
+    data = data_for(family, tmp_path, pairs)
+    got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ), steps=3,
+                          micro_batches=2, batch_size=4, data=data)
+    want = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
+    assert_close(got, {k: v for k, v in want.items() if k in got})
+    if family in ("gpt2", "qwen2"):  # tied: one stored tensor
+        assert "lm_head.weight" not in got and "lm_head.weight" in want
+
+
+def test_padding_is_present(tmp_path):
+    """The batches of these tests are padded: masks matter."""
+    path = fx.model_dir(tmp_path / "model", "gpt2")
+    task = build_task(build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ)),
+                      data_for("gpt2", tmp_path), micro_batch_size=4, global_micro_batches=2)
+    b = task.micro_batch(0, 0, 4, 1.0)
+    assert b.mask is not None and (b.mask == 0).any() and (b.targets == -100).any()
+
+
+def test_a_base_model_checkpoint_gets_a_new_classifier(tmp_path):
+    """A plain BertModel checkpoint trains as a classifier of --classes labels: the head is
+    initialised fresh, everything else comes from the checkpoint."""
+    path = fx.model_dir(tmp_path / "base", "bert-base")
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=5))
+    from protocol.tensors import plan_layout
+
+    plans = plan_layout(model.manifest()).layers
+    head = model.loader().load(plans[-1])
+    assert head["classifier.weight"].shape == (5, 32)
+    base = transformers.BertModel.from_pretrained(str(path))
+    emb = model.loader().load(plans[0])
+    assert torch.equal(emb["embeddings.word_embeddings.weight"],
+                       base.embeddings.word_embeddings.weight)
+
+
+def test_export_loads_with_from_pretrained(tmp_path):
+    """hf -> l2l -> hf with zero steps is bitwise identical; after training, the exported
+    directory's logits equal those of the trained weights."""
+    path = fx.model_dir(tmp_path / "model", "gpt2")
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ))
+    from protocol.tensors import plan_layout
+
+    layout = plan_layout(model.manifest())
+    initial = {(p.name, n): t for p in layout.layers
+               for n, t in model.loader().load(p).items()}
+    model.export(str(tmp_path / "out0"), initial, {})
+    a = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    b = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out0"))
+    assert set(a.state_dict()) == set(b.state_dict())
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    assert (tmp_path / "out0" / "tokenizer.json").exists()
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out0"))("good movie")
+
+    data = data_for("gpt2", tmp_path)
+    got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ), steps=2,
+                          micro_batches=2, batch_size=4, data=data)
+    names = {model.family.hf_name(p.name, s.name): (p.name, s.name)
+             for p in layout.layers for s in p.tensors}
+    model.export(str(tmp_path / "out"), {names[k]: v for k, v in got.items()}, {})
+    trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    reference.load_state_dict({**reference.state_dict(), **got, "lm_head.weight":
+                               got["transformer.wte.weight"]})
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        assert torch.allclose(trained(ids).logits, reference(ids).logits, atol=1e-5)
+        assert not torch.allclose(trained(ids).logits, a.eval()(ids).logits, atol=1e-5)
+
+
+def test_unsupported_configs_are_refused(tmp_path):
+    path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        build_model(ModelConfig(model=f"hf:{path}"))
+    with pytest.raises(ValueError, match="cannot read a Hugging Face config"):
+        build_model(ModelConfig(model=f"hf:{tmp_path / 'nothing'}"))

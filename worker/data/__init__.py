@@ -1,0 +1,113 @@
+"""What a model trains on, sharded by global micro-batch index.
+
+Every micro-batch is a pure function of (seed, step, global micro-batch index): worker r with u
+micro-batches per step takes global indices [r*u, (r+1)*u), so N workers together see exactly
+the minibatch one worker with N*u micro-batches sees, and a resumed run sees the same data as
+an uninterrupted one. Tasks: the synthetic ``trigger`` and ``markov`` (synthetic.py), and
+``text``: a data file (files.py), tokenised and cached (tokens.py), batched (textsets.py).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+from ..config import DataConfig
+from ..models.base import Batch, LayeredModel
+from .files import DataError, data_format, read_jsonl, read_table, read_text, read_tokens
+from .synthetic import MarkovTask, TriggerTask
+from .textsets import EvalSet, TextTask
+from .tokens import Encoded, cached_encode
+
+__all__ = ["Batch", "DataError", "EvalSet", "MarkovTask", "Sharder", "TextTask", "TriggerTask",
+           "build_eval", "build_task"]
+
+SYNTHETIC = {"trigger": TriggerTask, "markov": MarkovTask}
+
+
+def build_task(model: LayeredModel, data: DataConfig | None = None, *,
+               micro_batch_size: int = 8, global_micro_batches: int = 1):
+    """The task ``data.task`` names (``auto``: text when a data file is given, else the
+    model's own), checked against what the model's head trains on."""
+    data = data or DataConfig()
+    name = data.task
+    if name == "auto":
+        name = "text" if data.data else model.default_task
+    if name == "text":
+        if not data.data:
+            raise ValueError(f"model {model.cfg.model} trains on text: give --data PATH")
+        task = text_task(model, data, data.data, micro_batch_size, global_micro_batches)
+    else:
+        task = SYNTHETIC[name](model.cfg)
+    if task.objective != model.objective:
+        raise ValueError(f"task {name} produces {task.objective} targets, but model "
+                         f"{model.cfg.model} trains a {model.objective} head")
+    return task
+
+
+def build_eval(model: LayeredModel, data: DataConfig, micro_batch_size: int, rank: int,
+               world: int) -> EvalSet | None:
+    """This worker's share of ``--eval-data`` (None without it)."""
+    if not data.eval_data:
+        return None
+    task = text_task(model, data, data.eval_data, micro_batch_size, 1, shuffle=False)
+    if task.objective != model.objective:
+        raise ValueError(f"{data.eval_data}: {task.objective} data for a {model.objective} "
+                         "model")
+    return EvalSet(task, micro_batch_size, rank, world)
+
+
+def text_task(model, data: DataConfig, path: str, size: int, count: int,
+              shuffle: bool | None = None) -> TextTask:
+    """A data file as a task: read and checked, tokenised (cached), ready to batch."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    fmt = data_format(path, data.data_format)
+    cfg = model.cfg
+    seed, shuffle = cfg.seed, data.shuffle if shuffle is None else shuffle
+    if fmt == "tokens":
+        if model.objective != "lm":
+            raise DataError(f"{path}: token ids train a language model, not a "
+                            f"{model.objective} head")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", cfg.vocab)
+        ids = read_tokens(path, data.token_dtype, vocab)
+        enc = Encoded(ids, None)
+        return TextTask(enc, "lm", seed=seed, shuffle=shuffle, pad_id=0, micro_batch_size=size,
+                        global_micro_batches=count, window=cfg.seq_len)
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise DataError(f"{path}: text needs the model's tokenizer (an hf: model); a built-in "
+                        "model trains on token ids (--data-format tokens)")
+    tokenizer = tokenizer()
+    classes = getattr(model.config, "num_labels", cfg.classes)
+    if fmt in ("tsv", "csv"):
+        records = partial(read_table, path, fmt, data.text_column, data.text_pair_column,
+                          data.label_column, classes)
+        objective = "classify"
+    elif fmt == "jsonl":
+        objective = model.objective
+        records = partial(read_jsonl, path, None if objective == "lm" else classes)
+    else:
+        records = partial(read_text, path)
+        objective = "lm"
+    window = cfg.seq_len if fmt == "txt" else 0
+    options = (fmt, data.text_column, data.text_pair_column, data.label_column, classes,
+               objective)
+    enc = cached_encode(path, records, tokenizer, model.path, None if window else cfg.seq_len,
+                        options)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=pad,
+                    micro_batch_size=size, global_micro_batches=count, window=window)
+
+
+class Sharder:
+    """The micro-batches of one worker for a step, with the global loss normaliser."""
+
+    def __init__(self, task, micro_batch_size: int, global_micro_batches: int):
+        self.task = task
+        self.size = micro_batch_size
+        self.count = global_micro_batches
+
+    def batches(self, step: int, indices) -> list[Batch]:
+        norm = float(self.task.loss_terms(step, self.size, self.count))
+        return [self.task.micro_batch(step, i, self.size, norm) for i in indices]

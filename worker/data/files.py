@@ -1,0 +1,153 @@
+"""Reading data files, with every problem refused before training starts: the file, the line
+and the reason (a missing column, a label that is not an integer in range, an empty file,
+undecodable text).
+
+    tsv, csv   GLUE layout: a header, a text column, optionally a second text column (sentence
+               pairs) and an integer label column
+    jsonl      one object per line: {"text": ..., "label": int} (classification), or
+               {"text": ...} alone (language modelling)
+    txt        plain text (language modelling), one stream
+    tokens     token ids as raw uint16/uint32 (nanoGPT's .bin), memory-mapped
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt",
+           ".bin": "tokens"}
+
+
+class DataError(ValueError):
+    """A data file that cannot be trained on; the message names the file and the line."""
+
+
+@dataclass
+class Records:
+    """Texts (and pairs and labels) read from a file, with their line numbers."""
+
+    texts: list[str]
+    pairs: list[str] | None
+    labels: list[int] | None
+    lines: list[int]
+
+
+def data_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FORMATS:
+        raise DataError(f"{path}: cannot tell the format from {ext!r}; give --data-format "
+                        f"({', '.join(sorted(set(FORMATS.values())))})")
+    return FORMATS[ext]
+
+
+def _lines(path: str):
+    """(line number, text) of a UTF-8 file; an undecodable line is refused by number."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte "
+                                f"{e.start})") from None
+
+
+def _label(path: str, number: int, value, classes: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        label = value
+    elif isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        label = int(value)
+    else:
+        raise DataError(f"{path}:{number}: label {value!r} is not an integer")
+    if not 0 <= label < classes:
+        raise DataError(f"{path}:{number}: label {label} is out of range [0, {classes})")
+    return label
+
+
+def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: int) -> Records:
+    """A GLUE-layout TSV/CSV file."""
+    lines = list(_lines(path))
+    if not lines:
+        raise DataError(f"{path}: the file is empty")
+    rows = csv.reader((t for _, t in lines), delimiter="\t" if fmt == "tsv" else ",",
+                      quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL)
+    header = next(rows)
+    columns = {name: i for i, name in enumerate(header)}
+    for name in (text, label, *([pair] if pair else [])):
+        if name not in columns:
+            raise DataError(f"{path}:1: no column {name!r} in the header "
+                            f"({', '.join(header)})")
+    out = Records([], [] if pair else None, [], [])
+    for (number, _), row in zip(lines[1:], rows):
+        if not row or row == [""]:
+            continue
+        if len(row) != len(header):
+            raise DataError(f"{path}:{number}: {len(row)} fields, the header has {len(header)}")
+        out.texts.append(row[columns[text]])
+        if pair:
+            out.pairs.append(row[columns[pair]])
+        out.labels.append(_label(path, number, row[columns[label]], classes))
+        out.lines.append(number)
+    if not out.texts:
+        raise DataError(f"{path}: no rows after the header")
+    return out
+
+
+def read_jsonl(path: str, classes: int | None) -> Records:
+    """``classes`` None: language modelling (``text`` only); else labels are required."""
+    out = Records([], None, [] if classes else None, [])
+    for number, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DataError(f"{path}:{number}: needs a \"text\" string")
+        out.texts.append(obj["text"])
+        if classes:
+            if "label" not in obj:
+                raise DataError(f"{path}:{number}: needs a \"label\"")
+            out.labels.append(_label(path, number, obj["label"], classes))
+        out.lines.append(number)
+    if not out.texts:
+        raise DataError(f"{path}: the file is empty")
+    return out
+
+
+def read_text(path: str) -> Records:
+    """Plain text: one stream, kept as lines (their newlines included)."""
+    out = Records([], None, None, [])
+    for number, line in _lines(path):
+        out.texts.append(line)
+        out.lines.append(number)
+    if not "".join(out.texts).strip():
+        raise DataError(f"{path}: the file is empty")
+    return out
+
+
+def read_tokens(path: str, dtype: str, vocab: int) -> np.ndarray:
+    """Token ids, memory-mapped; every id must be below ``vocab``."""
+    size = os.path.getsize(path)
+    item = np.dtype(dtype).itemsize
+    if size == 0:
+        raise DataError(f"{path}: the file is empty")
+    if size % item:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} token ids")
+    ids = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, len(ids), 1 << 24):  # in chunks: a large file is never read whole
+        chunk = ids[start:start + (1 << 24)]
+        bad = np.flatnonzero(chunk >= vocab)
+        if len(bad):
+            at = start + int(bad[0])
+            raise DataError(f"{path}: token {at} is id {int(ids[at])}, beyond the vocabulary "
+                            f"of {vocab}")
+    return ids

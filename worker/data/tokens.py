@@ -1,0 +1,117 @@
+"""Token ids of a data file, made once with the model's own tokenizer (local files only) and
+cached next to the file (``<file>.l2l-<key>.npz``; ``~/.cache/l2l`` when that directory is not
+writable). The key covers the data file (path, size, mtime), the tokenizer files and the
+options, so a changed file or tokenizer is tokenised (and checked) again, while a later run or
+another worker loads the arrays in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .files import Records
+
+log = logging.getLogger("l2l_worker")
+
+CHUNK = 10_000  # texts per tokenizer call
+
+
+@dataclass
+class Encoded:
+    """Samples as token ids: sample i is ``ids[starts[i]:starts[i + 1]]``."""
+
+    ids: np.ndarray
+    starts: np.ndarray
+    types: np.ndarray | None = None  # token type ids (sentence pairs), same layout as ids
+    labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+
+def _cache_path(data: str, key: str) -> str:
+    name = f"{os.path.basename(data)}.l2l-{key}.npz"
+    folder = os.path.dirname(os.path.abspath(data))
+    if not os.access(folder, os.W_OK):
+        folder = os.path.join(os.path.expanduser("~"), ".cache", "l2l")
+        os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
+
+
+def cache_key(data: str, tokenizer_dir: str, options: tuple) -> str:
+    st = os.stat(data)
+    h = hashlib.sha256(repr((os.path.abspath(data), st.st_size, st.st_mtime_ns, options))
+                       .encode())
+    for name in sorted(os.listdir(tokenizer_dir)):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")):
+            with open(os.path.join(tokenizer_dir, name), "rb") as f:
+                h.update(name.encode() + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
+
+
+def encode(records: Records, tokenizer, max_length: int | None) -> Encoded:
+    """Tokenise every text (and pair), with the tokenizer's special tokens; ``max_length``
+    truncates a sample (None: one stream without special tokens, e.g. plain text)."""
+    ids, types, starts = [], [], [0]
+    pairs = records.pairs
+    for lo in range(0, len(records.texts), CHUNK):
+        texts = records.texts[lo:lo + CHUNK]
+        kw = dict(text_pair=pairs[lo:lo + CHUNK]) if pairs is not None else {}
+        if max_length is None:
+            out = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+        else:
+            out = tokenizer(texts, truncation=True, max_length=max_length,
+                            return_attention_mask=False, return_token_type_ids=pairs is not None,
+                            **kw)
+        for i, seq in enumerate(out["input_ids"]):
+            ids.extend(seq)
+            starts.append(starts[-1] + len(seq))
+            if pairs is not None:
+                types.extend(out["token_type_ids"][i])
+    enc = Encoded(np.asarray(ids, dtype=np.int32), np.asarray(starts, dtype=np.int64),
+                  np.asarray(types, dtype=np.int8) if pairs is not None else None,
+                  np.asarray(records.labels, dtype=np.int64) if records.labels else None)
+    if max_length is None:  # one stream
+        enc.starts = np.asarray([0, len(enc.ids)], dtype=np.int64)
+    empty = np.flatnonzero(enc.lengths() == 0)
+    if len(empty):
+        raise ValueError(f"{records.lines[int(empty[0])]}: no tokens (empty text)")
+    return enc
+
+
+def cached_encode(data: str, records_fn, tokenizer, tokenizer_dir: str,
+                  max_length: int | None, options: tuple) -> Encoded:
+    """``encode(records_fn(), ...)`` through the cache (records_fn validates the file)."""
+    path = _cache_path(data, cache_key(data, tokenizer_dir, (max_length, *options)))
+    if os.path.isfile(path):
+        with np.load(path) as z:
+            return Encoded(z["ids"], z["starts"], z["types"] if "types" in z else None,
+                           z["labels"] if "labels" in z else None)
+    t0 = time.perf_counter()
+    records = records_fn()
+    try:
+        enc = encode(records, tokenizer, max_length)
+    except ValueError as e:
+        raise ValueError(f"{data}:{e}") from None
+    seconds = time.perf_counter() - t0
+    log.info("tokenised %s: %d lines, %d tokens in %.1f s (%.0f s per million lines); cached "
+             "in %s", data, len(records.texts), len(enc.ids), seconds,
+             seconds / max(1, len(records.texts)) * 1e6, path)
+    arrays = {"ids": enc.ids, "starts": enc.starts}
+    if enc.types is not None:
+        arrays["types"] = enc.types
+    if enc.labels is not None:
+        arrays["labels"] = enc.labels
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)  # atomic: workers may write the same cache at once
+    return enc

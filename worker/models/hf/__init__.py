@@ -1,0 +1,91 @@
+"""Hugging Face models as layered models: ``--model hf:PATH`` (a local ``save_pretrained``
+directory; nothing is downloaded).
+
+Supported: BERT as a sequence classifier (``BertForSequenceClassification``, or a plain
+``BertModel`` checkpoint given ``--classes``), GPT-2 (``GPT2LMHeadModel``, LM head tied to the
+token embedding) and Llama-style decoders (``LlamaForCausalLM``; Mistral and Qwen2 configs,
+including grouped-query attention, sliding-window layers and tied embeddings). The stages call
+the library's own modules (stages.py); the EPS never sees any of this, only the manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+from ..base import LayeredModel
+from . import families
+from .checkpoint import HfCheckpoint, export
+
+PREFIX = "hf:"
+
+
+def load_config(path: str):
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError("--model hf:... needs transformers: pip install -e '.[hf]'") from None
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a Hugging Face config from {path}: {e}") from None
+
+
+class HfModel(LayeredModel):
+    name = "hf"
+    default_task = "text"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.path = cfg.model[len(PREFIX):]
+        self.config = load_config(self.path)
+        self.family = families.family_of(self.config)
+        self.objective = self.family.objective
+        c = self.config
+        if c.model_type == "bert" and not any("SequenceClassification" in a
+                                              for a in (c.architectures or ())):
+            c.num_labels = cfg.classes  # a base-model checkpoint: the head is new
+        # What from_pretrained would pick; the library's modules read it from the config.
+        c._attn_implementation = c._attn_implementation or "sdpa"
+        self.dropout = max((v for k, v in c.to_dict().items()
+                            if isinstance(v, float) and "drop" in k), default=0.0)
+        self._kinds = families.block_kinds(c)
+
+    def make_stage(self, kind: str):
+        return families.make_stage(self.config, kind)
+
+    def layer_kinds(self) -> list[tuple[str, str]]:
+        return ([("pre", "embed")] + [(f"blocks.{i}", k) for i, k in enumerate(self._kinds)]
+                + [("post", "head")])
+
+    def meta(self) -> dict:
+        c = self.config.to_dict()
+        facts = {k: v for k, v in c.items() if not k.startswith("_") and k not in (
+            "transformers_version", "architectures", "name_or_path", "torch_dtype", "dtype")}
+        digest = hashlib.sha256(repr(sorted(facts.items())).encode()).hexdigest()[:16]
+        return {"model": "hf", "model_type": self.config.model_type, "config": digest,
+                "num_labels": self.config.num_labels if self.objective == "classify" else 0}
+
+    def ties(self):
+        return families.ties(self.config)
+
+    def loader(self):
+        if self._loader is None:
+            self._loader = super().loader() if self.cfg.init_from else HfCheckpoint(self)
+        return self._loader
+
+    def export_config(self):
+        config = copy.deepcopy(self.config)
+        config.architectures = [families.hf_class(self.config)]
+        return config
+
+    def export(self, path: str, tensors: dict, metadata: dict) -> None:
+        export(self, path, tensors)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.path}: no usable tokenizer files ({e})") from None

@@ -1,0 +1,103 @@
+"""Hugging Face checkpoints in and out, one tensor at a time.
+
+In: ``HfCheckpoint`` reads a ``save_pretrained`` directory (``model.safetensors``, or shards
+listed in ``model.safetensors.index.json``) lazily with ``safe_open``, so bootstrapping a large
+model never holds it whole. A checkpoint of the base model alone (e.g. ``BertModel`` for a
+sequence classifier) names its tensors without the base prefix; tensors it lacks (a new
+classifier) are initialised as the library would (normal(0, initializer_range), norms 1,
+biases 0), seeded by (seed, layer), and listed in a warning.
+
+Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
+of the trained model), ``model.safetensors`` with the library's names (a tied tensor once, under
+its owner's name), and the source's tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+
+from protocol.safetensors_io import write_safetensors
+from protocol.tensors import LayerPlan
+
+from ..base import derive_seed
+
+log = logging.getLogger("l2l_worker")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
+                   "added_tokens.json", "chat_template.jinja")
+
+
+class HfCheckpoint:
+    """The initial weights of an ``hf:`` model from its directory (a weight loader)."""
+
+    def __init__(self, model):
+        self.model, self.path = model, model.path
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.files = {k: os.path.join(self.path, v)
+                              for k, v in json.load(f)["weight_map"].items()}
+        elif os.path.isfile(os.path.join(self.path, "model.safetensors")):
+            single = os.path.join(self.path, "model.safetensors")
+            with safe_open(single, framework="pt") as f:
+                self.files = {k: single for k in f.keys()}
+        else:
+            raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
+                             "(only safetensors checkpoints are read)")
+        self._open: dict[str, object] = {}
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        base = self.model.family.base_prefix
+        for key in (name, name[len(base):] if name.startswith(base) else None):
+            if key is not None and key in self.files:
+                path = self.files[key]
+                if path not in self._open:
+                    self._open[path] = safe_open(path, framework="pt")
+                return self._open[path].get_tensor(key)
+        return None
+
+    def load(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
+        out, fresh = {}, []
+        gen = torch.Generator().manual_seed(derive_seed(self.model.cfg.seed, "init", plan.index))
+        for slot in plan.tensors:
+            name = self.model.family.hf_name(plan.name, slot.name)
+            t = self._get(name)
+            if t is None:
+                t = _fresh(slot.name, slot.shape, self.model.config.initializer_range, gen)
+                fresh.append(name)
+            elif tuple(t.shape) != slot.shape:
+                raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)}, the model "
+                                 f"needs {slot.shape}")
+            out[slot.name] = t.to(torch.float32)
+        if fresh:
+            log.warning("%s has no %s: initialised fresh", self.path, ", ".join(fresh))
+        return out
+
+
+def _fresh(name: str, shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
+    if len(shape) >= 2:
+        return torch.empty(shape).normal_(0.0, std, generator=gen)
+    leaf = name.rsplit(".", 2)
+    is_norm_scale = name.endswith("weight") and "norm" in leaf[0].lower()
+    return torch.ones(shape) if is_norm_scale else torch.zeros(shape)
+
+
+def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
+    """Write ``tensors`` ((layer, tensor) -> value, every layer's own) as a Hugging Face
+    directory at ``path``."""
+    os.makedirs(path, exist_ok=True)
+    config = model.export_config()
+    config.save_pretrained(path)
+    named = [(model.family.hf_name(layer, name), t) for (layer, name), t in tensors.items()]
+    write_safetensors(os.path.join(path, "model.safetensors"), named, {"format": "pt"})
+    for name in TOKENIZER_FILES:
+        src = os.path.join(model.path, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(path, name))
