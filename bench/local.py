@@ -44,6 +44,9 @@ class LocalSource:
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
         self.opts[plan.index].step(step, lr=self.lr)
 
+    def skip(self, step: int, plan: LayerPlan) -> None:
+        pass  # no gradient, no update: as torch's optimizers treat a parameter without grad
+
     def drain(self) -> None:
         pass
 

@@ -1,18 +1,13 @@
 """EpsCore: the Eager Param-Server's logic, synchronous and socket-free.
 
-The ZeroMQ shell (server.py) decodes a request and calls ``handle(peer, msg, frames)``; the
-core answers with the replies due now (``Out``s). Work that takes time runs on the engines
-(engines.py); their results come back through ``poll()``, which returns the replies they made
-due (a GradAck after a reduction, the LayerReady a waiting Fetch was promised once an update
-published its version, the Ack of a Save once the checkpoint is written). A test drives the
-core in-process the same way, with inline engines.
-
-A gradient's way: handle(PushGrad) -> transport.gradient_in -> engines: Reduce -> poll:
-GradAck; the last rank's -> scheduler.reduced -> engines: Update (eager) | Measure + Apply
-(deferred) -> poll: Publish(l, t+1) -> VersionBoard.set -> LayerReady for the waiting Fetches.
-
-The model exists from construction (lobby.py makes the core from the first worker's manifest
-or from a checkpoint, and answers until then). A bad request gets an Error and changes nothing.
+The shell (server.py) calls ``handle(peer, msg, frames)`` with a decoded request and sends
+the replies due now (``Out``s). Work that takes time runs on the engines; ``poll()`` takes in
+their results and returns the replies they made due (a GradAck after a reduction, a waiting
+Fetch's LayerReady once an update published its version, a Save's Ack). Tests drive the core
+in-process the same way, with inline engines. A gradient: handle(PushGrad) -> engines: Reduce
+-> poll: GradAck; the last part -> scheduler -> engines: Update -> poll: Publish(l, t+1).
+The model exists from construction (lobby.py makes the core). A bad request gets an Error
+and changes nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +43,7 @@ from protocol.trace import NULL, Tracer
 
 from . import checkpoint
 from .config import ServerConfig, with_changes
+from .contributions import Contributions
 from .engines import Done, Engines, Exclusive, Init, Reduce, layer_math
 from .errors import RequestError
 from .layer_store import LayerStore
@@ -88,8 +84,7 @@ class EpsCore:
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size)
         self.initialiser = initialiser  # the rank that sends the initial values
-        self.claims: list[set[int]] = [set() for _ in range(store.num_layers)]  # pushed ranks
-        self.reduced = [0] * store.num_layers  # gradients reduced this step
+        self.parts = Contributions(store.num_layers, cfg.world_size)  # this step's pushes
         self.initialising: set[int] = set()
         self.broken: str | None = None
         self._handlers = {Hello: self._hello, InitLayer: self._init, Fetch: self._fetch,
@@ -228,7 +223,7 @@ class EpsCore:
             raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
                                f"version {msg.min_version} is more than one step ahead",
                                "min_version")
-        if msg.min_version <= current and len(self.claims[msg.layer]) == self.cfg.world_size:
+        if msg.min_version <= current and self.parts.all_claimed(msg.layer):
             raise RequestError("bad_request", f"version {current} of layer {msg.layer} is being "
                                "replaced: every worker has pushed its gradient", "min_version")
         if self.board.ready(msg.layer, msg.min_version):
@@ -252,8 +247,7 @@ class EpsCore:
 
     def _publish(self, layer: int, version: int) -> list[Out]:
         """``layer`` reached ``version``: answer who waited for it; maybe a step completed."""
-        self.claims[layer].clear()
-        self.reduced[layer] = 0
+        self.parts.reset(layer)
         if self.board.set(layer, version):
             self.scheduler.step_completed(self.board.step)
         outs = [self._layer_ready(w.peer, w.request) for w in self.board.answerable()]
@@ -275,21 +269,31 @@ class EpsCore:
         if msg.dtype != peer.grad_dtype:
             raise RequestError("bad_request", f"this peer said Hello with grad_dtype "
                                f"{peer.grad_dtype}, not {msg.dtype}", "dtype")
+        if msg.skip:
+            return self._skip(identity, msg, frames)
         src = peer.transport.gradient_in(msg, frames, self.store.plan(msg.layer))
-        if peer.rank in self.claims[msg.layer]:
-            raise RequestError("bad_request", f"rank {peer.rank} already pushed layer "
-                               f"{msg.layer} for this step", "rank")
-        self.claims[msg.layer].add(peer.rank)
+        self.parts.claim(msg.layer, peer.rank)
         # fp16: an overflow is expected now and then and the loss scaler deals with it.
         self.engines.submit(Reduce(msg.layer, peer.rank, src, not self.cfg.loss_scaling,
                                    (identity, msg, bool(frames))))
         return []
 
+    def _skip(self, identity: bytes, msg: PushGrad, frames) -> list[Out]:
+        """LayerDrop: no gradient; once every rank skipped the layer, its version advances
+        without an update. All ranks skip the same layers, or the step is refused."""
+        if frames:
+            raise RequestError("bad_request", "a skip carries no gradient", "frames")
+        self.parts.claim(msg.layer, msg.rank, skip=True)
+        if self.parts.add(msg.layer):
+            self.scheduler.skipped(msg.layer, msg.step)
+        return [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
+                                      slot=-1))]
+
     def _reduced(self, done: Done) -> list[Out]:
         identity, msg, framed = done.job.ticket
         self.stats.reduce_seconds += done.seconds
         if done.error is not None or not done.result:
-            self.claims[msg.layer].discard(msg.rank)  # nothing was added: may push again
+            self.parts.release(msg.layer, msg.rank)  # nothing was added: may push again
             if done.error is not None:
                 return [error_out(identity, msg.req_id, "internal",
                                   f"{type(done.error).__name__}: {done.error}")]
@@ -298,8 +302,7 @@ class EpsCore:
                               "applied", "frames" if framed else "slot")]
         self.stats.pushes += 1
         self.stats.bytes_reduced += done.job.src.numel() * done.job.src.element_size()
-        self.reduced[msg.layer] += 1
-        if self.reduced[msg.layer] == self.cfg.world_size:
+        if self.parts.add(msg.layer):
             self.scheduler.reduced(msg.layer, msg.step)
         return [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
                                       slot=msg.slot))]

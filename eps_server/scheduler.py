@@ -62,6 +62,7 @@ class UpdateScheduler:
         self.pending: set[int] = set()  # layers whose update is due or running
         self.overflow_steps: set[int] = set()
         self._measured: dict[int, dict[int, LayerStats]] = {}  # deferred: t -> layer -> stats
+        self._skipped: dict[int, set[int]] = {}  # deferred: t -> layers every worker skipped
         self._hold_from: int | None = None  # a checkpoint holds updates from this version on
         self._committed = 0  # highest version an update under way will reach
         self._held: list[tuple[int, Any]] = []  # (version, start) waiting for the hold to lift
@@ -78,6 +79,17 @@ class UpdateScheduler:
             self.engines.submit(Measure(layer, t))  # reads the gradient only: never held
         else:
             self._when_released(t, partial(self._eager, layer, t))
+
+    def skipped(self, layer: int, t: int) -> None:
+        """Every worker skipped ``layer`` at step ``t`` (LayerDrop): its version advances with
+        its optimizer state untouched, as torch's optimizers skip a parameter without grad."""
+        self.pending.add(layer)
+        if self.cfg.update == "deferred":
+            self._skipped.setdefault(t, set()).add(layer)
+            self._collect(layer, t, LayerStats(True, 0.0))
+        else:
+            self._when_released(t, partial(self.engines.submit,
+                                           Apply(layer, t, None, self.cfg.optimizer)))
 
     def _eager(self, layer: int, t: int) -> None:
         self.engines.submit(Update(layer, t, self.scaler.scale, self.cfg.loss_scaling,
@@ -120,9 +132,11 @@ class UpdateScheduler:
             self.stats.overflow_steps = len(self.overflow_steps)
             self.stats.skipped_updates += self.num_layers
 
+        skipped = self._skipped.pop(t, set())
+
         def start() -> None:  # layer 0 first: the next step starts there
             for lay in range(self.num_layers):
-                self.engines.submit(Apply(lay, t, divisor, cfg))
+                self.engines.submit(Apply(lay, t, None if lay in skipped else divisor, cfg))
 
         self._when_released(t, start)
         return []

@@ -89,6 +89,7 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
         "config": cli.to_dict(args),
         "model": asdict(args.model),
         "save": os.path.abspath(args.launch.save) if args.launch.save and code == 0 else None,
+        "eval": launcher.evals,
         "eps": launcher.eps_stats,
     }
 

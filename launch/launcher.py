@@ -13,6 +13,7 @@ shown with a ``[name]`` prefix (or hidden with --quiet), never parsed.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -50,6 +51,8 @@ class Launcher:
         self.children: list[Child] = []
         self.events: dict[int, dict[int, events.StepDone]] = {}  # step -> rank -> event
         self.progress: list[dict] = []
+        self.eval_parts: dict[int, dict[int, events.EvalDone]] = {}  # step -> rank -> part
+        self.evals: list[dict] = []
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self.failure: str | None = None
@@ -98,6 +101,8 @@ class Launcher:
                     self.eps_stats = ev.stats
                 elif isinstance(ev, events.StepDone):
                     self._on_step(ev)
+                elif isinstance(ev, events.EvalDone):
+                    self._on_eval(ev)
 
     def _on_step(self, ev: events.StepDone) -> None:
         with self._lock:
@@ -114,6 +119,18 @@ class Launcher:
                                   "seconds": secs, "samples": samples})
         print(f"step {ev.step + 1:>5}/{self.steps}  loss {loss:.4f}  acc {acc:.3f}  "
               f"{samples / secs if secs > 0 else 0:,.0f} samples/s", flush=True)
+
+    def _on_eval(self, ev: events.EvalDone) -> None:
+        with self._lock:
+            parts = self.eval_parts.setdefault(ev.step, {})
+            parts[ev.rank] = ev
+            if len(parts) != len(self.worker_argvs):
+                return
+            result = eval_result(ev.step, list(parts.values()))
+            self.evals.append(result)
+        metric = (f"accuracy {result['accuracy']:.3f}" if ev.objective == "classify"
+                  else f"perplexity {result['perplexity']:.3f}")
+        print(f"eval after {ev.step:>5} steps  loss {result['loss']:.4f}  {metric}", flush=True)
 
     # ------------------------------------------------------------------------- run
 
@@ -208,6 +225,14 @@ class Launcher:
     def cleanup(self) -> None:
         """Remove the run's private directory (socket, per-worker summaries)."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def eval_result(step: int, parts: list) -> dict:
+    """One evaluation from the workers' shares: mean loss per term, accuracy, perplexity."""
+    count = max(1, sum(p.count for p in parts))
+    loss = sum(p.loss_sum for p in parts) / count
+    return {"step": step, "loss": loss, "accuracy": sum(p.correct for p in parts) / count,
+            "perplexity": math.exp(min(loss, 50.0)), "count": count}
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -53,6 +53,20 @@ class StepDone:
     seconds: float
 
 
+@event("eval")
+class EvalDone:
+    """A worker evaluated its share of the eval data with the weights of ``step`` (steps
+    trained): summed loss, correct predictions and loss terms (samples or tokens)."""
+
+    KIND: ClassVar[str]
+    rank: int
+    step: int
+    loss_sum: float
+    correct: int
+    count: int
+    objective: str  # "classify" (report accuracy) or "lm" (report perplexity)
+
+
 @event("stats")
 class ServerStats:
     """The EPS's statistics (its EpsStats snapshot), sent when it stops."""

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from .tensors import DTYPES, Manifest
 
-PROTOCOL_VERSION = 2  # 2: TensorSpec.tie (tensors shared between layers)
+PROTOCOL_VERSION = 2  # 2: TensorSpec.tie (tensors shared between layers), PushGrad.skip
 
 TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
 WHICH = ("compute", "master")  # which copy of a layer a Fetch wants
@@ -205,19 +205,23 @@ class LayerReady(Message):
 class PushGrad(Message):
     """A worker's gradient of ``layer`` for ``step``: summed over its micro-batches and already
     normalised by the global minibatch. shm: in grad slot ``slot``; frames: ``slot`` = -1 and
-    the bytes are the one tensor frame. Both are in the layer's flat layout, dtype ``dtype``."""
+    the bytes are the one tensor frame. Both are in the layer's flat layout, dtype ``dtype``.
+    ``skip``: the worker skipped the layer this step (LayerDrop): no gradient, ``slot`` -1;
+    when every rank skipped it, its version advances without an update."""
 
     step: int
     layer: int
     rank: int
     slot: int
     dtype: str
+    skip: bool = False
 
     def check(self) -> None:
         _require(self.step >= 0, "step", "must be >= 0")
         _require(self.layer >= 0, "layer", "must be >= 0")
         _require(0 <= self.rank < MAX_RANKS, "rank", "out of range")
         _require(self.slot >= -1, "slot", "must be >= -1")
+        _require(not self.skip or self.slot == -1, "slot", "must be -1 with skip")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
 
 

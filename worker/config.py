@@ -112,6 +112,11 @@ class WorkerConfig:
     """u: micro-batches per worker per step, all run through a layer per visit."""
     micro_batch_size: int = 8
     """Samples per micro-batch."""
+    layer_drop: float = 0.0
+    """LayerDrop (stochastic depth): skip each block with this probability per step. Which
+    blocks a step skips is a pure function of (seed, step), the same on every worker; a
+    skipped block is neither fetched nor pushed and the EPS leaves its weights and optimizer
+    state as they are."""
     grad_dtype: Literal["compute", "float32"] = "compute"
     """Dtype of pushed gradients: compute (the EPS's compute precision) or float32. Sums over
     micro-batches are always accumulated in fp32; the EPS reduces across workers in fp32."""
@@ -153,6 +158,8 @@ class WorkerConfig:
             raise ValueError("transport must be shm or frames")
         if self.stash not in ("device", "host", "eps"):
             raise ValueError("stash must be device, host or eps")
+        if not 0 <= self.layer_drop < 1:
+            raise ValueError("layer_drop must be in [0, 1)")
         if self.threads < 1 or not self.eps_timeout > 0:
             raise ValueError("threads must be >= 1 and eps_timeout > 0")
 

@@ -114,9 +114,9 @@ class EpsClient:
         return self.request(Fetch, layer=layer, min_version=min_version, which=which)
 
     def push_grad(self, *, step: int, layer: int, rank: int, slot: int, dtype: str,
-                  data=None) -> Future:
+                  data=None, skip: bool = False) -> Future:
         return self.request(PushGrad, frames=(data,) if data is not None else (), step=step,
-                            layer=layer, rank=rank, slot=slot, dtype=dtype)
+                            layer=layer, rank=rank, slot=slot, dtype=dtype, skip=skip)
 
     def save(self, path: str) -> Ack:
         return self.call(Save, path=path)

@@ -32,7 +32,7 @@ from protocol.tensors import Layout, named_views
 from protocol.trace import NULL, Tracer
 
 from .data import Sharder
-from .models.base import LayeredModel, dropout_seed, seeded
+from .models.base import LayeredModel, derive_seed, dropout_seed, seeded
 from .stash import make_stash, members, shaped_like
 from .streams import Streams
 
@@ -59,7 +59,8 @@ class StepResult:
 class Executor:
     def __init__(self, model: LayeredModel, layout: Layout, source, sharder: Sharder, *,
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
-                 seed: int, stash: str = "device", tracer: Tracer = NULL):
+                 seed: int, stash: str = "device", tracer: Tracer = NULL,
+                 layer_drop: float = 0.0):
         self.plans = layout.layers
         if len(self.plans) < 2:
             raise ValueError("a layered model needs at least two layers (pre ... post)")
@@ -70,6 +71,7 @@ class Executor:
         self.steps = steps
         self.dropout = dropout > 0
         self.seed = seed
+        self.layer_drop = layer_drop
         self.tracer = tracer
         self.streams = Streams(device)
         # One weightless template module per stage kind, bound to a layer's weights per visit.
@@ -90,17 +92,21 @@ class Executor:
             batches = [b.to(self.device) for b in self.sharder.batches(step, self.micro_batches)]
         for buf in self.tie_grads.values():
             buf.zero_()
-        last = len(self.plans) - 1
+        skipped = self.skipped(step)
+        for layer in sorted(skipped):  # LayerDrop: neither fetched nor pushed this step
+            self.source.skip(step, self.plans[layer])
+        visits = [i for i in range(len(self.plans)) if i not in skipped]
+        last = visits[-1]
         # The last block runs its forward with grad and keeps the graph until its backward,
         # which follows the head's at once: one recompute less per step, one layer's memory.
-        keep = last - 1 if last >= 2 else -1
+        keep = visits[-2] if len(visits) >= 3 else -1
         kept = None
         xs: list = [None] * len(batches)
 
-        for layer in range(last):  # forward, layer-major
+        for k, layer in enumerate(visits[:-1]):  # forward, layer-major
             with self.tracer.span(f"F{layer}", "forward"):
                 weights = self._weights(layer, step, requires_grad=layer == keep)
-                self.source.prefetch(layer + 1, step)
+                self.source.prefetch(visits[k + 1], step)
                 if layer == keep:
                     kept = self._forward_with_graph(step, layer, weights, xs, batches)
                     continue  # its weights stay in use until its backward
@@ -113,10 +119,15 @@ class Executor:
                             xs[i] = stage(xs[i], batch)
             self.source.release(layer, step)
 
+        # Backward in reverse visit order; each visit prefetches the next one (layer 0: the
+        # next step's), but the head does not while the kept block's weights are still held.
         loss, correct = self._backward_visit(step, last, xs, batches,  # head: fwd + bwd
-                                             prefetch_next=keep < 0)
-        for layer in range(last - 1, -1, -1):  # backward, reverse order
-            self._backward_visit(step, layer, xs, batches, kept if layer == keep else None)
+                                             prefetch=(visits[-2], step) if keep < 0 else None)
+        for k in range(len(visits) - 2, -1, -1):
+            after = (visits[k - 1], step) if k else (
+                (0, step + 1) if step + 1 < self.steps else None)
+            self._backward_visit(step, visits[k], xs, batches,
+                                 kept if visits[k] == keep else None, prefetch=after)
 
         self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
@@ -154,7 +165,7 @@ class Executor:
         return kept
 
     def _backward_visit(self, step: int, layer: int, dx: list, batches,
-                        kept: _Kept | None = None, prefetch_next: bool = True):
+                        kept: _Kept | None = None, prefetch: tuple[int, int] | None = None):
         """Recompute ``layer`` per micro-batch with grad (or take its ``kept`` graph),
         back-propagate ``dx`` (replaced in place by the gradient w.r.t. the layer's input),
         accumulate and push the weight gradient. For the head the loss is the output, and
@@ -166,12 +177,8 @@ class Executor:
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
             leaves = kept.leaves if kept else self._weights(layer, step, requires_grad=True)
             scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
-            if not prefetch_next:
-                pass  # the next visit's weights are already held (the kept block)
-            elif layer > 0:
-                self.source.prefetch(layer - 1, step)
-            elif step + 1 < self.steps:
-                self.source.prefetch(0, step + 1)  # answered once the EPS has updated layer 0
+            if prefetch is not None:  # layer 0 of the next step: once the EPS has updated it
+                self.source.prefetch(*prefetch)
             stage = self.binders[plan.kind].bind(leaves)
             slot, acc = self.source.grad_buffer(plan)
             targets = list(named_views(acc, plan).values())
@@ -217,6 +224,40 @@ class Executor:
         self.source.release(layer, step)
         self.source.push(step, plan, slot, acc)
         return loss_sum, correct_sum
+
+    def skipped(self, step: int) -> set[int]:
+        """The blocks LayerDrop skips in ``step``: a pure function of (seed, step), the same on
+        every worker (pre and post always run)."""
+        if not self.layer_drop:
+            return set()
+        return {i for i in range(1, len(self.plans) - 1)
+                if derive_seed(self.seed, "layerdrop", step, i) / 2.0 ** 63 < self.layer_drop}
+
+    def evaluate(self, version: int, batches, prefetch_after: bool) -> tuple[float, int, int]:
+        """Forward only (dropout off, no stash, no gradients): every layer at ``version`` once
+        for all ``batches``; returns (summed loss, correct, loss terms)."""
+        batches = [b.to(self.device) for b in batches]
+        xs: list = [None] * len(batches)
+        n = len(self.plans)
+        for binder in self.binders.values():
+            binder.module.eval()
+        try:
+            for layer in range(n):
+                with self.tracer.span(f"E{layer}", "eval"):
+                    weights = self._weights(layer, version, requires_grad=False)
+                    if layer + 1 < n or prefetch_after:
+                        self.source.prefetch((layer + 1) % n, version)
+                    stage = self.binders[self.plans[layer].kind].bind(weights)
+                    with torch.no_grad():
+                        for i, batch in enumerate(batches):
+                            xs[i] = stage(xs[i], batch)
+                self.source.release(layer, version)
+        finally:
+            for binder in self.binders.values():
+                binder.module.train()
+            self.tied.clear()
+        count = sum(int((b.targets != -100).sum()) for b in batches)
+        return (float(sum(loss for loss, _ in xs)), int(sum(int(c) for _, c in xs)), count)
 
     def _tie_grads(self, plan) -> list[torch.Tensor]:
         """fp32 accumulators of the gradients of tied tensors, one per owner's tensor, summed

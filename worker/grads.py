@@ -48,6 +48,11 @@ class GradPath:
             buf[start:end].zero_()
         self._pushes.append(self._push(step, plan, slot, buf))
 
+    def skip(self, step: int, plan: LayerPlan) -> None:
+        """Tell the EPS this worker skipped the layer this step (LayerDrop)."""
+        self._pushes.append(self.client.push_grad(step=step, layer=plan.index, rank=self.rank,
+                                                  slot=-1, dtype=self.dtype, skip=True))
+
     def drain(self) -> None:
         """Wait until every push so far is acknowledged; raise the first refusal."""
         pushes, self._pushes = self._pushes, []

@@ -10,12 +10,12 @@ from dataclasses import asdict
 
 import torch
 
-from protocol.events import EventWriter, StepDone
+from protocol.events import EvalDone, EventWriter, StepDone
 from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
 from .config import WorkerArgs
-from .data import Sharder, build_task
+from .data import Sharder, build_eval, build_task
 from .eps_client import EpsClient
 from .executor import Executor, StepResult
 from .memory import PeakMemory
@@ -71,6 +71,7 @@ def run_worker(args: WorkerArgs) -> dict:
     source = welcome = None
     tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
     results: list[StepResult] = []
+    evals: list[dict] = []
     done = False
     elapsed, peak = 0.0, 0
     memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
@@ -90,15 +91,36 @@ def run_worker(args: WorkerArgs) -> dict:
         executor = Executor(model, layout, source, sharder, device=device,
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
-                            tracer=tracer)
+                            tracer=tracer, layer_drop=cfg.layer_drop)
+        evalset = build_eval(model, args.data, cfg.micro_batch_size, cfg.rank, cfg.world_size)
+        eval_batches = evalset.batches() if evalset is not None else []
+        eval_seconds = 0.0
+
+        def evaluate(version: int) -> None:
+            nonlocal eval_seconds
+            t0 = time.perf_counter()
+            loss, correct, count = executor.evaluate(version, eval_batches,
+                                                     prefetch_after=version < cfg.steps)
+            evals.append({"step": version, "loss_sum": loss, "correct": correct,
+                          "count": count})
+            events.emit(EvalDone(rank=cfg.rank, step=version, loss_sum=loss, correct=correct,
+                                 count=count, objective=model.objective))
+            eval_seconds += time.perf_counter() - t0
+
         t_start = time.perf_counter()
+        if evalset is not None:
+            evaluate(welcome.step)  # before training (on resume: where it stands)
         for step in range(welcome.step, cfg.steps):
             r = executor.run_step(step)
             results.append(r)
             memory.sample()
             events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
                                  count=r.count, samples=r.samples, seconds=r.seconds))
-        elapsed = time.perf_counter() - t_start
+            every = args.data.eval_every
+            if evalset is not None and (step + 1 == cfg.steps or every and (step + 1) % every
+                                        == 0):
+                evaluate(step + 1)
+        elapsed = time.perf_counter() - t_start - eval_seconds
         peak = memory.value()
         if cfg.save and cfg.rank == 0:
             save_model(client, source.regions, model, layout, cfg.steps, cfg.save,
@@ -124,7 +146,8 @@ def run_worker(args: WorkerArgs) -> dict:
         "step_seconds": [r.seconds for r in results], "samples": samples,
         "seconds": elapsed, "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
         "peak_memory_bytes": peak, "model": asdict(mcfg), "data": asdict(args.data),
-        "fetches_without_round_trip": source.fast_fetches,
+        "objective": model.objective,
+        "fetches_without_round_trip": source.fast_fetches, "evals": evals,
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
     if cfg.summary_json:

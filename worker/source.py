@@ -7,6 +7,7 @@ to, and the EPS-backed one, assembled once when the worker joins.
     loss_scale(version)        the fp16 loss scale of that step (1.0 otherwise)
     grad_buffer(plan)          (slot, flat fp32 buffer) to accumulate the layer's gradient into
     push(step, plan, slot, buf), drain()   send it (asynchronously); wait for the step's acks
+    skip(step, plan)           the layer is skipped this step (LayerDrop): no gradient
     stash_arena(nbytes)        EPS-owned shared memory for the stash (--stash eps)
 
 The same executor runs against weights held in-process (bench/local.py) for baselines.
@@ -42,6 +43,7 @@ class LayerSource(Protocol):
     def loss_scale(self, version: int) -> float: ...
     def grad_buffer(self, plan: LayerPlan) -> tuple[int, torch.Tensor]: ...
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None: ...
+    def skip(self, step: int, plan: LayerPlan) -> None: ...
     def drain(self) -> None: ...
     def stash_arena(self, nbytes: int) -> Region: ...
 
@@ -75,6 +77,9 @@ class EpsSource:
 
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
         self._grads.push(step, plan, slot, buf)
+
+    def skip(self, step: int, plan: LayerPlan) -> None:
+        self._grads.skip(step, plan)
 
     def drain(self) -> None:
         self._grads.drain()
