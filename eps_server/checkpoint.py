@@ -24,28 +24,9 @@ import torch
 from safetensors import safe_open
 
 from protocol.safetensors_io import write_safetensors
-from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout, views
+from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, plan_layout, views
 
 FORMAT = 1
-
-
-def manifest_to_json(m: Manifest) -> dict:
-    return {"layers": [{"name": la.name, "kind": la.kind,
-                        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
-                                     "group": t.group,
-                                     **({"tie": list(t.tie)} if t.tie is not None else {})}
-                                    for t in la.tensors]}
-                       for la in m.layers],
-            "meta": dict(m.meta)}
-
-
-def manifest_from_json(d: dict) -> Manifest:
-    return Manifest(
-        layers=tuple(LayerSpec(name=la["name"], kind=la["kind"], tensors=tuple(
-            TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
-                       group=t["group"], tie=tuple(t["tie"]) if t.get("tie") else None)
-            for t in la["tensors"])) for la in d["layers"]),
-        meta=d.get("meta", {}))
 
 
 def check_target(path: str) -> None:

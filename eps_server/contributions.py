@@ -5,6 +5,9 @@ A rank *claims* its part when its push is accepted and releases it if the gradie
 refused (non-finite), so it may push again. Once every rank has claimed a layer nobody may read
 its current version any more; once every part is in, the layer is due for its update (or, if
 every rank skipped it, for a version advance without one).
+
+A skip may come one step early: a worker skips a layer without fetching it, so it cannot know
+whether the layer has reached the step's version yet. Such a skip waits here until it has.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ class Contributions:
         self._claims: list[set[int]] = [set() for _ in range(num_layers)]
         self._skips: list[set[int]] = [set() for _ in range(num_layers)]
         self._done = [0] * num_layers  # parts reduced (or skipped)
+        self._early: list[set[int]] = [set() for _ in range(num_layers)]  # next step's skips
+
+    def skip_early(self, layer: int, rank: int) -> None:
+        """``rank`` skips ``layer`` in the step after the current one."""
+        if rank in self._early[layer]:
+            raise RequestError("bad_request", f"rank {rank} already skipped layer {layer} for "
+                               "the next step", "rank")
+        self._early[layer].add(rank)
 
     def claim(self, layer: int, rank: int, skip: bool = False) -> None:
         """Register ``rank``'s push of ``layer``; a duplicate, or a skip where others pushed a
@@ -44,8 +55,14 @@ class Contributions:
         self._done[layer] += 1
         return self._done[layer] == self.world_size
 
-    def reset(self, layer: int) -> None:
-        """The layer's next version is published: ready for the next step."""
+    def reset(self, layer: int) -> bool:
+        """The layer's next version is published: ready for the next step, whose early skips
+        count now; True if they are every rank's (the new step is skipped as a whole)."""
         self._claims[layer].clear()
         self._skips[layer].clear()
         self._done[layer] = 0
+        early, self._early[layer] = self._early[layer], set()
+        for rank in early:
+            self.claim(layer, rank, skip=True)
+            self._done[layer] += 1
+        return bool(early) and self._done[layer] == self.world_size

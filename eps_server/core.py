@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     ArenaReady,
     Bye,
-    Error,
     Fetch,
     GradAck,
     Hello,
@@ -48,25 +46,13 @@ from .engines import Done, Engines, Exclusive, Init, Reduce, layer_math
 from .errors import RequestError
 from .layer_store import LayerStore
 from .peers import Peer, Peers, check_control, check_hello, check_model
+from .replies import Out, error_out
 from .scheduler import Publish, Saved, UpdateScheduler
 from .stats import EpsStats, peak_memory_bytes
 from .transports import frame_tensor, make_transport
 from .versions import VersionBoard, Waiter
 
 log = logging.getLogger("eps_server")
-
-
-@dataclass(frozen=True)
-class Out:
-    """A reply to send: to ``peer`` (its ZeroMQ identity), ``msg`` with tensor ``frames``."""
-
-    peer: bytes
-    msg: Message
-    frames: tuple = ()
-
-
-def error_out(peer: bytes, req_id: int, code: str, message: str, field: str = "") -> Out:
-    return Out(peer, Error(req_id=req_id, code=code, message=message, field=field))
 
 
 class EpsCore:
@@ -247,10 +233,12 @@ class EpsCore:
 
     def _publish(self, layer: int, version: int) -> list[Out]:
         """``layer`` reached ``version``: answer who waited for it; maybe a step completed."""
-        self.parts.reset(layer)
+        skipped = self.parts.reset(layer)
         if self.board.set(layer, version):
             self.scheduler.step_completed(self.board.step)
         outs = [self._layer_ready(w.peer, w.request) for w in self.board.answerable()]
+        if skipped:
+            self.scheduler.skipped(layer, version)
         self.scheduler.boundary()
         return outs
 
@@ -263,7 +251,7 @@ class EpsCore:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
         version = self.store.versions[msg.layer]
-        if msg.step != version:
+        if msg.step != version and not (msg.skip and msg.step == version + 1):
             raise RequestError("bad_request", f"gradient for step {msg.step}, but layer "
                                f"{msg.layer} is at version {version}", "step")
         if msg.dtype != peer.grad_dtype:
@@ -280,14 +268,19 @@ class EpsCore:
 
     def _skip(self, identity: bytes, msg: PushGrad, frames) -> list[Out]:
         """LayerDrop: no gradient; once every rank skipped the layer, its version advances
-        without an update. All ranks skip the same layers, or the step is refused."""
+        without an update. All ranks skip the same layers, or the step is refused. A skip may
+        name the step after the layer's current version (contributions.py)."""
         if frames:
             raise RequestError("bad_request", "a skip carries no gradient", "frames")
+        ack = [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
+                                     slot=-1))]
+        if msg.step > self.store.versions[msg.layer]:  # the layer is not there yet: it waits
+            self.parts.skip_early(msg.layer, msg.rank)
+            return ack
         self.parts.claim(msg.layer, msg.rank, skip=True)
         if self.parts.add(msg.layer):
             self.scheduler.skipped(msg.layer, msg.step)
-        return [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
-                                      slot=-1))]
+        return ack
 
     def _reduced(self, done: Done) -> list[Out]:
         identity, msg, framed = done.job.ticket

@@ -25,10 +25,11 @@ from protocol.tensors import Manifest
 
 from . import checkpoint
 from .config import ServerConfig, with_changes
-from .core import EpsCore, Out, error_out
+from .core import EpsCore
 from .errors import RequestError
 from .layer_store import LayerStore
 from .peers import check_control, check_hello
+from .replies import Out, error_out
 from .stats import EpsStats, peak_memory_bytes
 
 log = logging.getLogger("eps_server")

@@ -26,9 +26,10 @@ from protocol.trace import Tracer
 
 from . import checkpoint
 from .config import ServerConfig
-from .core import EpsCore, Out
+from .core import EpsCore
 from .lobby import Lobby, load_core
 from .peers import version_text
+from .replies import Out
 from .stats import EpsStats
 
 log = logging.getLogger("eps_server")

@@ -281,3 +281,21 @@ def named_views(flat: torch.Tensor, plan: LayerPlan) -> dict[str, torch.Tensor]:
     """{tensor name: view} of one layer's flat buffer (its own tensors)."""
     return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors}
 
+
+def manifest_to_json(m: Manifest) -> dict:
+    return {"layers": [{"name": la.name, "kind": la.kind,
+                        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                                     "group": t.group,
+                                     **({"tie": list(t.tie)} if t.tie is not None else {})}
+                                    for t in la.tensors]}
+                       for la in m.layers],
+            "meta": dict(m.meta)}
+
+
+def manifest_from_json(d: dict) -> Manifest:
+    return Manifest(
+        layers=tuple(LayerSpec(name=la["name"], kind=la["kind"], tensors=tuple(
+            TensorSpec(name=t["name"], shape=tuple(t["shape"]), dtype=t["dtype"],
+                       group=t["group"], tie=tuple(t["tie"]) if t.get("tie") else None)
+            for t in la["tensors"])) for la in d["layers"]),
+        meta=d.get("meta", {}))

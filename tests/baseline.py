@@ -12,9 +12,12 @@ from worker.models.base import param_group
 
 def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, batch_size: int,
                    lr: float = 1e-3, weight_decay: float = 0.01, optimizer: str = "adamw",
-                   momentum: float = 0.0) -> dict[str, torch.Tensor]:
+                   momentum: float = 0.0, skips=lambda step: frozenset()
+                   ) -> dict[str, torch.Tensor]:
     """All layers resident, gradient accumulation over the global micro-batches in order,
-    one torch optimizer step per step; biases and norm scales without weight decay."""
+    one torch optimizer step per step; biases and norm scales without weight decay.
+    ``skips(step)``: blocks that step leaves out (their parameters get no gradient, so torch's
+    optimizer leaves them and their state alone)."""
     net = build_model(mcfg).assemble().train()
     groups: dict[str, list] = {"decay": [], "no_decay": []}
     for name, p in net.named_parameters():
@@ -29,7 +32,7 @@ def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, 
     for step in range(steps):
         opt.zero_grad()
         for index, batch in enumerate(sharder.batches(step, range(global_micro_batches))):
-            loss, _ = net(batch, rng=(mcfg.seed, step, index))
+            loss, _ = net(batch, rng=(mcfg.seed, step, index), skip=skips(step))
             loss.backward()
         opt.step()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
@@ -51,7 +54,8 @@ def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) 
 
 
 def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_size: int,
-                    lr: float = 1e-3, data=None) -> dict[str, torch.Tensor]:
+                    lr: float = 1e-3, data=None, layer_drop: float = 0.0
+                    ) -> dict[str, torch.Tensor]:
     """The L2L executor in this process against weights held locally (bench.local.LocalSource,
     the same per-layer AdamW as the EPS): the loop without the server. Returns the assembled
     model's state dict names (a tied tensor under each of its names), or for an hf: model the
@@ -67,7 +71,7 @@ def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_
     task = build_task(model, data, micro_batch_size=batch_size, global_micro_batches=micro_batches)
     ex = Executor(model, layout, source, Sharder(task, batch_size, micro_batches),
                   device=torch.device("cpu"), micro_batches=range(micro_batches), steps=steps,
-                  dropout=model.dropout, seed=mcfg.seed)
+                  dropout=model.dropout, seed=mcfg.seed, layer_drop=layer_drop)
     for step in range(steps):
         ex.run_step(step)
     named = [named_views(flat, plan) for plan, flat in zip(layout.layers, source.flats)]

@@ -518,3 +518,48 @@ def test_engines_stop_while_an_exclusive_job_waits():
     closer.join(10)
     assert not closer.is_alive()
     assert ("checkpoint", None) not in log
+
+
+@pytest.mark.parametrize("update", ["eager", "deferred"])
+def test_a_layer_every_rank_skips_advances_without_an_update(make, update):
+    """LayerDrop: when every rank skipped layer 1 its version advances, its weights and
+    optimizer state untouched; in deferred mode the step's other layers still update."""
+    h = make(2, update=update)
+    h.bootstrap()
+    h.send(0, PushGrad(req_id=10, step=0, layer=1, rank=0, slot=-1, dtype="float32",
+                       skip=True))
+    h.push(1, 0, 1, grad_of(1, 1.0), 11)  # rank 1 pushes a gradient instead: refused
+    assert error(h.take(1, 11)).field == "skip"
+    h.send(1, PushGrad(req_id=12, step=0, layer=1, rank=1, slot=-1, dtype="float32",
+                       skip=True))
+    for layer in (2, 0):
+        for r in (0, 1):
+            h.push(r, 0, layer, grad_of(layer, 1.0), 20 + 2 * layer + r)
+    h.poll()
+    assert isinstance(h.take(0, 10).msg, GradAck) and isinstance(h.take(1, 12).msg, GradAck)
+    assert h.core.store.versions == [1, 1, 1]
+    assert torch.equal(h.master(1, 1), torch.ones(LAYOUT.layers[1].numel))  # as bootstrapped
+    assert torch.allclose(h.master(2, 1)[:32], torch.full((32,), 1 - 0.5 * 2))
+    assert h.core.engines.layers[1].optimizer.steps.item() == 0  # its state never moved
+    assert h.core.stats.skipped_updates == 0
+
+
+def test_a_skip_may_come_a_step_early(make):
+    """A worker skips a layer without fetching it: its skip for step 1 may arrive while the
+    layer is still at version 0 (another rank has not pushed step 0 yet); it counts once the
+    layer reaches version 1. Two steps ahead is refused."""
+    h = make(2)
+    h.bootstrap()
+    h.push(0, 0, 1, grad_of(1, 1.0), 10)
+    h.send(0, PushGrad(req_id=11, step=1, layer=1, rank=0, slot=-1, dtype="float32", skip=True))
+    h.send(0, PushGrad(req_id=12, step=2, layer=1, rank=0, slot=-1, dtype="float32", skip=True))
+    assert error(h.take(0, 12)).field == "step"
+    h.send(0, PushGrad(req_id=13, step=1, layer=1, rank=0, slot=-1, dtype="float32", skip=True))
+    assert error(h.take(0, 13)).field == "rank"  # the same early skip twice
+    h.push(1, 0, 1, grad_of(1, 1.0), 14)
+    h.poll()
+    assert isinstance(h.take(0, 11).msg, GradAck) and h.core.store.versions[1] == 1
+    h.send(1, PushGrad(req_id=15, step=1, layer=1, rank=1, slot=-1, dtype="float32", skip=True))
+    h.poll()
+    assert h.core.store.versions[1] == 2
+    assert torch.allclose(h.master(1, 2)[:32], torch.full((32,), 1 - 0.5 * 2))  # step 0 only

@@ -204,3 +204,20 @@ def test_initial_weights_from_a_safetensors_file(tmp_path):
     short = build_model(cfg("bert", init_from=str(tmp_path / "short.st")))
     with pytest.raises(ValueError, match="blocks.1.mlp.fc.weight"):
         short.init_flat(2, plan_layout(short.manifest()).layers[2])
+
+
+def test_layer_drop_equals_a_resident_model_skipping_the_same_blocks():
+    """LayerDrop: the blocks a step skips are a pure function of (seed, step); a skipped
+    block passes its input through and its weights and optimizer state stay as they are, as in
+    a resident model that leaves the same blocks out (their parameters get no gradient)."""
+    from worker.executor import layer_drop
+
+    from .baseline import assert_close, train_local_l2l, train_resident
+
+    c = cfg("gpt", layers=4)
+    skips = {step: frozenset(layer_drop(c.seed, step, 6, 0.5)) for step in range(4)}
+    assert any(skips.values()) and len(set(skips.values())) > 1  # skips vary between steps
+    got = train_local_l2l(c, steps=4, micro_batches=2, batch_size=4, layer_drop=0.5)
+    want = train_resident(c, steps=4, global_micro_batches=2, batch_size=4,
+                          skips=lambda step: skips[step])
+    assert_close(got, want)

@@ -130,3 +130,20 @@ def test_initial_weights_come_from_a_file_layer_by_layer(cluster, tmp_path):
     got = load_file(str(out))
     assert set(got) == set(net.state_dict())
     assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize("update", ["eager", "deferred"])
+def test_layer_drop_through_the_eps(cluster, tmp_path, update):
+    """2 workers skip the same blocks each step: neither fetched nor pushed, the EPS advances
+    their versions without an update; the result equals a resident model leaving the same
+    blocks out (torch AdamW skips parameters without a gradient)."""
+    from worker.executor import layer_drop
+
+    got = l2l(cluster, tmp_path, model="gpt", workers=2, micro_batches=2,
+              extra=("--layers", "4", "--layer-drop", "0.5"), server=("--update", update))
+    skips = {s: frozenset(layer_drop(0, s, 6, 0.5)) for s in range(STEPS)}
+    assert any(skips.values())
+    want = train_resident(ModelConfig(model="gpt", **{**SMALL_CFG, "layers": 4}), steps=STEPS,
+                          global_micro_batches=4, batch_size=4, lr=1e-3,
+                          skips=lambda s: skips[s])
+    assert_close(got, want)

@@ -226,12 +226,7 @@ class Executor:
         return loss_sum, correct_sum
 
     def skipped(self, step: int) -> set[int]:
-        """The blocks LayerDrop skips in ``step``: a pure function of (seed, step), the same on
-        every worker (pre and post always run)."""
-        if not self.layer_drop:
-            return set()
-        return {i for i in range(1, len(self.plans) - 1)
-                if derive_seed(self.seed, "layerdrop", step, i) / 2.0 ** 63 < self.layer_drop}
+        return layer_drop(self.seed, step, len(self.plans), self.layer_drop)
 
     def evaluate(self, version: int, batches, prefetch_after: bool) -> tuple[float, int, int]:
         """Forward only (dropout off, no stash, no gradients): every layer at ``version`` once
@@ -281,6 +276,15 @@ class Executor:
     def _rng(self, step: int, layer: int, i: int):
         seed = dropout_seed(self.seed, step, layer, self.micro_batches[i]) if self.dropout else 0
         return seeded(seed, self.device, self.dropout)
+
+
+def layer_drop(seed: int, step: int, layers: int, p: float) -> set[int]:
+    """The blocks LayerDrop skips in ``step``: a pure function of (seed, step), the same on
+    every worker; pre and post (the first and last layer) always run."""
+    if not p:
+        return set()
+    return {i for i in range(1, layers - 1)
+            if derive_seed(seed, "layerdrop", step, i) / 2.0 ** 63 < p}
 
 
 def _grad_inputs(x):

@@ -62,8 +62,10 @@ def run_worker(args: WorkerArgs) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = build_model(mcfg)
+    # The data is read and checked before the job is joined: a bad file costs nobody a step.
     task = build_task(model, args.data, micro_batch_size=cfg.micro_batch_size,
                       global_micro_batches=cfg.global_micro_batches)
+    evalset = build_eval(model, args.data, cfg.micro_batch_size, cfg.rank, cfg.world_size)
     manifest = model.manifest()
     layout = plan_layout(manifest)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout)
@@ -92,7 +94,6 @@ def run_worker(args: WorkerArgs) -> dict:
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
                             tracer=tracer, layer_drop=cfg.layer_drop)
-        evalset = build_eval(model, args.data, cfg.micro_batch_size, cfg.rank, cfg.world_size)
         eval_batches = evalset.batches() if evalset is not None else []
         eval_seconds = 0.0
 

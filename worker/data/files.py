@@ -71,6 +71,12 @@ def _label(path: str, number: int, value, classes: int) -> int:
     return label
 
 
+def _text(path: str, number: int, text: str) -> str:
+    if not text.strip():
+        raise DataError(f"{path}:{number}: empty text")
+    return text
+
+
 def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: int) -> Records:
     """A GLUE-layout TSV/CSV file."""
     lines = list(_lines(path))
@@ -90,9 +96,9 @@ def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: i
             continue
         if len(row) != len(header):
             raise DataError(f"{path}:{number}: {len(row)} fields, the header has {len(header)}")
-        out.texts.append(row[columns[text]])
+        out.texts.append(_text(path, number, row[columns[text]]))
         if pair:
-            out.pairs.append(row[columns[pair]])
+            out.pairs.append(_text(path, number, row[columns[pair]]))
         out.labels.append(_label(path, number, row[columns[label]], classes))
         out.lines.append(number)
     if not out.texts:
@@ -112,7 +118,7 @@ def read_jsonl(path: str, classes: int | None) -> Records:
             raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise DataError(f"{path}:{number}: needs a \"text\" string")
-        out.texts.append(obj["text"])
+        out.texts.append(_text(path, number, obj["text"]))
         if classes:
             if "label" not in obj:
                 raise DataError(f"{path}:{number}: needs a \"label\"")

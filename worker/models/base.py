@@ -272,11 +272,14 @@ class AssembledModel(nn.Module):
         return [self.pre, *self.blocks, self.post]
 
     def forward(self, batch: Batch, rng: tuple[int, int, int] | None = None,
-                checkpoint: bool = False):
+                checkpoint: bool = False, skip: frozenset[int] = frozenset()):
+        """``skip``: layer indices that pass their input through (LayerDrop)."""
         x = None
         device = batch.inputs.device
         stages = self.stages()
         for index, stage in enumerate(stages):
+            if index in skip:
+                continue
             enabled = rng is not None and self.training and self.dropout > 0
             seed = dropout_seed(rng[0], rng[1], index, rng[2]) if enabled else 0
             if checkpoint and 0 < index < len(stages) - 1:

@@ -1,0 +1,127 @@
+"""Data files: every format, every refusal with its line, the token cache, the order of samples
+and the loss normaliser (real targets only)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from worker.config import DataConfig, ModelConfig
+from worker.data import DataError, Sharder, build_eval, build_task
+from worker.data.textsets import Order
+from worker.models import build_model
+
+transformers = pytest.importorskip("transformers")
+from . import hf_fixtures as fx  # noqa: E402  (needs transformers)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("models")
+    return {f: build_model(ModelConfig(model=f"hf:{fx.model_dir(base / f, f)}", seq_len=16))
+            for f in ("bert", "gpt2")}
+
+
+def task(model, path, **kw):
+    return build_task(model, DataConfig(data=str(path), **kw), micro_batch_size=4,
+                      global_micro_batches=2)
+
+
+def test_every_format(models, tmp_path):
+    bert, gpt2 = models["bert"], models["gpt2"]
+    tsv = fx.classification_tsv(tmp_path / "a.tsv")
+    b = task(bert, tsv).micro_batch(0, 0, 4, 8.0)
+    assert b.inputs.shape[0] == 4 and b.targets.shape == (4,) and b.mask is not None
+    pairs = fx.classification_tsv(tmp_path / "p.tsv", pairs=True)
+    b = task(bert, pairs, text_column="sentence1", text_pair_column="sentence2") \
+        .micro_batch(0, 0, 4, 8.0)
+    assert b.token_types is not None and (b.token_types == 1).any()
+    (tmp_path / "a.csv").write_text('sentence,label\n"good, very good",1\nbad,0\nfine,2\n')
+    assert task(bert, tmp_path / "a.csv").n == 3
+    (tmp_path / "c.jsonl").write_text('{"text": "good movie", "label": 1}\n\n'
+                                      '{"text": "bad", "label": 0}\n')
+    assert task(bert, tmp_path / "c.jsonl").enc.labels.tolist() == [1, 0]
+    lm = task(gpt2, fx.lm_jsonl(tmp_path / "lm.jsonl")).micro_batch(0, 0, 4, 1.0)
+    assert lm.targets.shape == lm.inputs.shape and (lm.targets == -100).any()
+    (tmp_path / "t.txt").write_text("the movie was good and the story was fine\n" * 20)
+    stream = task(gpt2, tmp_path / "t.txt").micro_batch(0, 0, 4, 1.0)
+    assert stream.inputs.shape == (4, 16) and stream.mask is None
+    assert torch.equal(stream.inputs[:, 1:], stream.targets[:, :-1])
+    for dtype in ("uint16", "uint32"):
+        ids = fx.tokens_bin(tmp_path / f"t{dtype}.bin", dtype=dtype)
+        b = task(gpt2, ids, token_dtype=dtype).micro_batch(1, 1, 4, 1.0)
+        assert b.inputs.shape == (4, 16)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a.tsv", "text\tlabel\ngood\t1\n", "a.tsv:1: no column 'sentence'"),
+    ("a.tsv", "sentence\tlabel\ngood\t1\nbad\tx\n", "a.tsv:3: label 'x' is not an integer"),
+    ("a.tsv", "sentence\tlabel\ngood\t7\n", "a.tsv:2: label 7 is out of range [0, 3)"),
+    ("a.tsv", "sentence\tlabel\ngood\t1\nbad\n", "a.tsv:3: 1 fields, the header has 2"),
+    ("a.tsv", "", "a.tsv: the file is empty"),
+    ("a.tsv", b"sentence\tlabel\ngood \xff\t1\n", "a.tsv:2: not UTF-8"),
+    ("a.jsonl", '{"text": "good", "label": 1}\n{"text": \n', "a.jsonl:2: not a JSON object"),
+    ("a.jsonl", '{"label": 1}\n', 'a.jsonl:1: needs a "text" string'),
+    ("a.jsonl", '{"text": "good"}\n', 'a.jsonl:1: needs a "label"'),
+    ("a.tsv", "sentence\tlabel\n \t1\n", "a.tsv:2: empty text"),
+])
+def test_bad_files_are_refused_with_their_line(models, tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as e:
+        task(models["bert"], path)
+    assert message in str(e.value)
+
+
+def test_bad_token_files_are_refused(models, tmp_path):
+    ids = np.array([5, 6, 7, 8, 9, 999], dtype=np.uint16)
+    ids.tofile(tmp_path / "a.bin")
+    with pytest.raises(DataError, match="token 5 is id 999, beyond the vocabulary of 41"):
+        task(models["gpt2"], tmp_path / "a.bin")
+    (tmp_path / "b.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(DataError, match="not a whole number of uint16"):
+        task(models["gpt2"], tmp_path / "b.bin")
+    with pytest.raises(DataError, match="token ids train a language model"):
+        task(models["bert"], tmp_path / "a.bin")
+
+
+def test_tokens_are_cached_and_a_changed_file_is_read_again(models, tmp_path):
+    tsv = fx.classification_tsv(tmp_path / "a.tsv")
+    first = task(models["bert"], tsv)
+    caches = [f for f in os.listdir(tmp_path) if ".l2l-" in f]
+    assert len(caches) == 1
+    again = task(models["bert"], tsv)
+    assert np.array_equal(first.enc.ids, again.enc.ids)
+    assert [f for f in os.listdir(tmp_path) if ".l2l-" in f] == caches  # read, not rewritten
+    tsv.write_text("sentence\tlabel\ngood movie\t1\n")
+    os.utime(tsv, ns=(1, 1))
+    assert task(models["bert"], tsv).n == 1
+
+
+def test_every_sample_once_per_epoch_in_an_order_of_seed_and_epoch():
+    order = Order(10, seed=3, shuffle=True)
+    first, second = order(np.arange(0, 10)), order(np.arange(10, 20))
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert not np.array_equal(first, second)
+    assert np.array_equal(Order(10, 3, True)(np.arange(10, 20)), second)  # a pure function
+    assert np.array_equal(Order(10, 3, False)(np.arange(5, 15)), np.r_[5:10, 0:5])
+
+
+def test_the_loss_is_normalised_by_the_real_targets_of_the_global_step(models, tmp_path):
+    t = task(models["gpt2"], fx.lm_jsonl(tmp_path / "lm.jsonl"))
+    batches = Sharder(t, 4, 2).batches(3, range(2))
+    real = sum(int((b.targets != -100).sum()) for b in batches)
+    assert all(b.norm == real for b in batches)  # both micro-batches: the whole step's count
+    assert real < sum(b.inputs.numel() for b in batches)  # padding is not counted
+
+
+def test_eval_data_is_shared_out_whole(models, tmp_path):
+    dev = fx.classification_tsv(tmp_path / "dev.tsv", n=10)
+    data = DataConfig(eval_data=str(dev))
+    parts = [build_eval(models["bert"], data, 4, rank, 2).batches() for rank in range(2)]
+    sizes = [len(b.targets) for part in parts for b in part]
+    assert sorted(sizes) == [2, 4, 4] and sum(sizes) == 10
+    assert build_eval(models["bert"], DataConfig(), 4, 0, 1) is None

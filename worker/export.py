@@ -1,0 +1,78 @@
+"""l2l-export: an EPS checkpoint in the model's own format, without a running job: a Hugging
+Face directory (``from_pretrained`` loads it) for an ``hf:`` model, else the assembled model's
+safetensors.
+
+    l2l-export --checkpoint CKPT --out DIR --model hf:SOURCE_DIR [--classes N]
+
+The model options must describe the checkpoint's model (its manifest must hash the same); the
+source directory gives the config and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from safetensors import safe_open
+
+from protocol import cli
+from protocol.tensors import manifest_difference, manifest_from_json, plan_layout
+
+from .config import ModelConfig
+from .models import build_model
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """What to export and where."""
+
+    checkpoint: str = ""
+    """An EPS checkpoint directory (--server-save, l2l-ctl save)."""
+    out: str = ""
+    """Where to write: a directory for an hf: model, else a .safetensors file."""
+
+
+@dataclass(kw_only=True)
+class ExportArgs:
+    export: ExportConfig = field(default_factory=ExportConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
+    """Write the checkpoint's weights with ``mcfg``'s model; returns the checkpoint's step."""
+    with open(os.path.join(checkpoint, "manifest.json")) as f:
+        saved = manifest_from_json(json.load(f))
+    with open(os.path.join(checkpoint, "state.json")) as f:
+        step = int(json.load(f)["step"])
+    model = build_model(mcfg)
+    manifest = model.manifest()
+    if manifest.hash() != saved.hash():
+        raise ValueError(f"the model options do not describe the checkpoint's model: "
+                         f"{manifest_difference(saved, manifest) or 'manifests differ'}")
+    tensors = {}
+    with safe_open(os.path.join(checkpoint, "master.safetensors"), framework="pt") as f:
+        for plan in plan_layout(manifest).layers:
+            for slot in plan.tensors:
+                tensors[plan.name, slot.name] = f.get_tensor(f"{plan.name}/{slot.name}")
+    model.export(out, tensors, {"format": "pt", "steps": str(step)})
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli.parse(ExportArgs, argv, "l2l-export", __doc__.split("\n")[0])
+    if not args.export.checkpoint or not args.export.out:
+        print("l2l-export: --checkpoint and --out are required", file=sys.stderr)
+        return 2
+    try:
+        step = export_checkpoint(args.export.checkpoint, args.export.out, args.model)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"l2l-export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported step {step} of {args.export.checkpoint} to {args.export.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
