@@ -1,7 +1,8 @@
 """Benchmarks: each prints a side-by-side table with ratios against a baseline measured in the
 same run, checks its targets, and writes JSON.
 
-    python -m bench NAME [--json PATH] [options]      NAME: see below, or "all" (not scale)
+    python -m bench NAME [--json PATH] [options]      NAME: see below, or "all" (not scale,
+                                                      not bootstrap)
     python -m bench NAME --help                        options of one benchmark
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import memory, optimizer, scale, speed, transfer
+from . import bootstrap, memory, optimizer, scale, speed, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -20,7 +21,9 @@ BENCHMARKS = {
     "transfer": (transfer.add_args, transfer.transfer),
     "scale": (scale.add_args, scale.scale),
     "optimizer": (optimizer.add_args, optimizer.optimizer),
+    "bootstrap": (bootstrap.add_args, bootstrap.bootstrap),  # needs transformers
 }
+EXTRA = ("scale", "bootstrap")  # long, or needing optional packages: not part of "all"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from .common import report
 
     name, rest = argv[0], argv[1:]
-    todo = [n for n in BENCHMARKS if n != "scale"] if name == "all" else [name]
+    todo = [n for n in BENCHMARKS if n not in EXTRA] if name == "all" else [name]
     misses = 0
     for n in todo:
         add_args, run = BENCHMARKS[n]

@@ -1,4 +1,4 @@
-"""Streaming, atomic safetensors writer (read files back with the ``safetensors`` library).
+"""Streaming, atomic safetensors writer, and a zero-copy reader (``SafetensorsFile``).
 
 ``safetensors.torch.save_file`` serialises every tensor to bytes in memory before writing and
 refuses tensors that share storage; our tensors are views of one shared-memory region and may
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -53,3 +54,58 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
         except OSError:
             pass
         raise
+
+
+_FROM_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+            "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
+            "BOOL": torch.bool}
+
+
+class SafetensorsFile:
+    """A safetensors file mapped read-only: ``get(name)`` is a view of the file's bytes, no
+    copy (the page cache holds them, not this process's heap), so reading a large checkpoint
+    tensor by tensor allocates nothing. ``safe_open`` copies every tensor it returns."""
+
+    def __init__(self, path: str):
+        import mmap
+
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size < 8:
+                raise ValueError(f"{path}: not a safetensors file")
+            n = struct.unpack("<Q", f.read(8))[0]
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.metadata = header.pop("__metadata__", {})
+        self._base, self._header, self._size = 8 + n, header, size
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._header
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self._header[name]
+        dtype = _FROM_ST.get(info["dtype"])
+        start, end = (self._base + o for o in info["data_offsets"])
+        shape = tuple(info["shape"])
+        count = end - start
+        if dtype is None or not self._base <= start <= end <= self._size or \
+                count != dtype.itemsize * _numel(shape):
+            raise ValueError(f"{self.path}: tensor {name!r} has a bad header entry")
+        if not count:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only: never written
+            return torch.frombuffer(memoryview(self._mm)[start:end], dtype=dtype).view(shape)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

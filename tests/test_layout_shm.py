@@ -155,3 +155,20 @@ def test_a_region_larger_than_shared_memory_is_refused_cleanly(region_name):
     with pytest.raises(OSError, match="shared memory"):
         Region.create(region_name, 1 << 50)  # reserved up front: no SIGBUS on first touch
     assert region_name not in list_regions(region_name)
+
+
+def test_mapped_safetensors_reads_views_of_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from protocol.safetensors_io import SafetensorsFile
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).bfloat16(),
+               "c": torch.arange(6, dtype=torch.int64).view(2, 3), "e": torch.zeros(0, 4)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    f = SafetensorsFile(str(tmp_path / "x.safetensors"))
+    assert sorted(f.keys()) == sorted(tensors)
+    for k, v in tensors.items():
+        assert f.get(k).dtype == v.dtype and torch.equal(f.get(k), v)
+    (tmp_path / "bad").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        SafetensorsFile(str(tmp_path / "bad"))

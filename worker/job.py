@@ -30,15 +30,17 @@ INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones ar
 
 
 def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
-    """Send the initial fp32 values of ``layers``, a few in flight at a time (memory stays at a
-    few layers however deep the model)."""
+    """Send the initial fp32 values of ``layers``, a few in flight at a time, each assembled in
+    one of a ring of buffers (the loader's tensors are views of the checkpoint file): memory
+    stays at a few layers however deep the model, and nothing is allocated per layer."""
+    ring = [torch.empty(layout.max_layer_numel) for _ in range(INIT_IN_FLIGHT)]
     in_flight = []
-    for plan in (layout.layers[i] for i in layers):
-        flat = flat_of(loader, plan)
-        in_flight.append((client.init_layer(plan.index, flat.numpy().data), flat))
-        if len(in_flight) >= INIT_IN_FLIGHT:
-            client.wait(in_flight.pop(0)[0])
-    for fut, _ in in_flight:
+    for k, plan in enumerate(layout.layers[i] for i in layers):
+        if len(in_flight) == len(ring):
+            client.wait(in_flight.pop(0))  # its buffer is free again (the frame was sent)
+        flat = flat_of(loader, plan, out=ring[k % len(ring)])
+        in_flight.append(client.init_layer(plan.index, flat.numpy().data))
+    for fut in in_flight:
         client.wait(fut)
 
 

@@ -3,16 +3,17 @@ building (or reading) the others, so a model never has to fit in the worker whol
 
     RandomInit        the model's seeded initialisation (a pure function of seed and layer)
     SafetensorsInit   a safetensors file of the assembled model (``<layer>.<tensor>`` names, as
-                      ``--save`` writes them), read tensor by tensor (safe_open)
+                      ``--save`` writes them), its tensors read as views of the mapped file
 
-A loader returns a layer's *own* tensors by name (tied tensors come from their owner layer).
+A loader returns a layer's *own* tensors by name (tied tensors come from their owner layer), in
+whatever dtype they are stored; ``flat_of`` converts them as it copies them into place.
 """
 
 from __future__ import annotations
 
 import torch
-from safetensors import safe_open
 
+from protocol.safetensors_io import SafetensorsFile
 from protocol.tensors import LayerPlan, named_views
 
 
@@ -30,28 +31,28 @@ class SafetensorsInit:
     def __init__(self, path: str):
         self.path = path
         try:
-            self._file = safe_open(path, framework="pt")
-        except Exception as e:  # safetensors raises its own error types
+            self._file = SafetensorsFile(path)
+        except (OSError, ValueError) as e:
             raise ValueError(f"cannot read initial weights from {path}: {e}") from None
-        self._keys = set(self._file.keys())
 
     def load(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         out = {}
         for slot in plan.tensors:
             key = f"{plan.name}.{slot.name}"
-            if key not in self._keys:
+            if key not in self._file:
                 raise ValueError(f"{self.path} has no tensor {key!r} (layer {plan.name!r})")
-            t = self._file.get_tensor(key)
+            t = self._file.get(key)
             if tuple(t.shape) != slot.shape:
                 raise ValueError(f"{self.path}: {key} has shape {tuple(t.shape)}, the model "
                                  f"needs {slot.shape}")
-            out[slot.name] = t.to(torch.float32)
+            out[slot.name] = t
         return out
 
 
-def flat_of(loader, plan: LayerPlan) -> torch.Tensor:
-    """A layer's initial values in its flat fp32 layout (padding zero)."""
-    flat = torch.zeros(plan.numel, dtype=torch.float32)
+def flat_of(loader, plan: LayerPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's initial values in its flat fp32 layout (padding zero), in ``out`` (at least
+    ``plan.numel`` elements) when given."""
+    flat = torch.zeros(plan.numel) if out is None else out[:plan.numel].zero_()
     values = loader.load(plan)
     for name, view in named_views(flat, plan).items():
         view.copy_(values[name])

@@ -1,11 +1,12 @@
 """Hugging Face checkpoints in and out, one tensor at a time.
 
 In: ``HfCheckpoint`` reads a ``save_pretrained`` directory (``model.safetensors``, or shards
-listed in ``model.safetensors.index.json``) lazily with ``safe_open``, so bootstrapping a large
-model never holds it whole. A checkpoint of the base model alone (e.g. ``BertModel`` for a
-sequence classifier) names its tensors without the base prefix; tensors it lacks (a new
-classifier) are initialised as the library would (normal(0, initializer_range), norms 1,
-biases 0), seeded by (seed, layer), and listed in a warning.
+listed in ``model.safetensors.index.json``) as views of the mapped files, tensor by tensor, so
+bootstrapping a large model never holds it (nor a copy of it) in the worker. A checkpoint of
+the base model alone (e.g. ``BertModel`` for a sequence classifier) names its tensors without
+the base prefix; tensors it lacks (a new classifier) are initialised as the library would
+(normal(0, initializer_range), norms 1, biases 0), seeded by (seed, layer), and listed in a
+warning.
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model), ``model.safetensors`` with the library's names (a tied tensor once, under
@@ -20,9 +21,8 @@ import os
 import shutil
 
 import torch
-from safetensors import safe_open
 
-from protocol.safetensors_io import write_safetensors
+from protocol.safetensors_io import SafetensorsFile, write_safetensors
 from protocol.tensors import LayerPlan
 
 from ..base import derive_seed
@@ -46,8 +46,7 @@ class HfCheckpoint:
                               for k, v in json.load(f)["weight_map"].items()}
         elif os.path.isfile(os.path.join(self.path, "model.safetensors")):
             single = os.path.join(self.path, "model.safetensors")
-            with safe_open(single, framework="pt") as f:
-                self.files = {k: single for k in f.keys()}
+            self.files = dict.fromkeys(SafetensorsFile(single).keys(), single)
         else:
             raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
                              "(only safetensors checkpoints are read)")
@@ -59,8 +58,8 @@ class HfCheckpoint:
             if key is not None and key in self.files:
                 path = self.files[key]
                 if path not in self._open:
-                    self._open[path] = safe_open(path, framework="pt")
-                return self._open[path].get_tensor(key)
+                    self._open[path] = SafetensorsFile(path)
+                return self._open[path].get(key)
         return None
 
     def load(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
@@ -75,7 +74,7 @@ class HfCheckpoint:
             elif tuple(t.shape) != slot.shape:
                 raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)}, the model "
                                  f"needs {slot.shape}")
-            out[slot.name] = t.to(torch.float32)
+            out[slot.name] = t
         if fresh:
             log.warning("%s has no %s: initialised fresh", self.path, ", ".join(fresh))
         return out
