@@ -24,7 +24,11 @@ class Contributions:
         self._early: list[set[int]] = [set() for _ in range(num_layers)]  # next step's skips
 
     def skip_early(self, layer: int, rank: int) -> None:
-        """``rank`` skips ``layer`` in the step after the current one."""
+        """``rank`` skips ``layer`` in the step after the current one, which it must have
+        done its part of already."""
+        if rank not in self._claims[layer]:
+            raise RequestError("bad_request", f"rank {rank} skips layer {layer} for the next "
+                               "step before pushing it for this one", "step")
         if rank in self._early[layer]:
             raise RequestError("bad_request", f"rank {rank} already skipped layer {layer} for "
                                "the next step", "rank")

@@ -275,7 +275,7 @@ class EpsCore:
         ack = [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
                                      slot=-1))]
         if msg.step > self.store.versions[msg.layer]:  # the layer is not there yet: it waits
-            self.parts.skip_early(msg.layer, msg.rank)
+            self.parts.skip_early(msg.layer, msg.rank)  # (after this rank's part of the step)
             return ack
         self.parts.claim(msg.layer, msg.rank, skip=True)
         if self.parts.add(msg.layer):

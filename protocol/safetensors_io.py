@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -62,7 +61,7 @@ _FROM_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
 
 
 class SafetensorsFile:
-    """A safetensors file mapped read-only: ``get(name)`` is a view of the file's bytes, no
+    """A safetensors file mapped copy-on-write: ``get(name)`` is a view of the file's bytes, no
     copy (the page cache holds them, not this process's heap), so reading a large checkpoint
     tensor by tensor allocates nothing. ``safe_open`` copies every tensor it returns."""
 
@@ -78,7 +77,8 @@ class SafetensorsFile:
             if not 2 <= n <= size - 8:
                 raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
             header = json.loads(f.read(n))
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # Copy-on-write: reads share the page cache; a write to a view stays private.
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.metadata = header.pop("__metadata__", {})
         self._base, self._header, self._size = 8 + n, header, size
 
@@ -99,9 +99,7 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: tensor {name!r} has a bad header entry")
         if not count:
             return torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only: never written
-            return torch.frombuffer(memoryview(self._mm)[start:end], dtype=dtype).view(shape)
+        return torch.frombuffer(memoryview(self._mm)[start:end], dtype=dtype).view(shape)
 
 
 def _numel(shape: tuple) -> int:

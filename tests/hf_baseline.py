@@ -28,7 +28,7 @@ def _stage_modules(hf, model_type: str) -> list:
 
 def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, batch_size: int,
              seq_len: int, lr: float = 1e-3, seed: int = 0, weight_decay: float = 0.01,
-             classes: int = 4) -> dict[str, torch.Tensor]:
+             classes: int = 0) -> dict[str, torch.Tensor]:
     import transformers as tf
 
     mcfg = ModelConfig(model=f"hf:{path}", seq_len=seq_len, seed=seed, classes=classes)

@@ -100,13 +100,15 @@ def lm_jsonl(path: Path, n: int = 48, seed: int = 0) -> Path:
 
 
 def tokens_bin(path: Path, n: int = 4000, vocab: int | None = None, seed: int = 0,
-               dtype: str = "uint16") -> Path:
-    """Token ids (nanoGPT's .bin): a repetitive stream a small LM can learn."""
+               dtype: str = "uint16", sample_seed: int | None = None) -> Path:
+    """Token ids (nanoGPT's .bin): a repeated phrase (fixed by ``seed``) with 20% of the
+    tokens replaced at random (drawn by ``sample_seed``): a stream a small LM can learn, and
+    held-out streams of the same language."""
     import numpy as np
 
     vocab = vocab or len(SPECIAL) + len(WORDS) + 1
-    rng = np.random.default_rng(seed)
-    phrase = rng.integers(len(SPECIAL), vocab, size=7)
+    phrase = np.random.default_rng(seed).integers(len(SPECIAL), vocab, size=7)
+    rng = np.random.default_rng([seed, seed if sample_seed is None else sample_seed, 1])
     ids = np.where(rng.random(n) < 0.8, np.resize(phrase, n), rng.integers(0, vocab, size=n))
     ids.astype(dtype).tofile(path)
     return path

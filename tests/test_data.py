@@ -67,6 +67,8 @@ def test_every_format(models, tmp_path):
     ("a.jsonl", '{"label": 1}\n', 'a.jsonl:1: needs a "text" string'),
     ("a.jsonl", '{"text": "good"}\n', 'a.jsonl:1: needs a "label"'),
     ("a.tsv", "sentence\tlabel\n \t1\n", "a.tsv:2: empty text"),
+    ("a.csv", 'sentence,label\n"good\nmovie",1\n"bad",x\n', "a.csv:4: label 'x'"),
+    ("a.tsv", "\ufeffsentence\tlabel\ngood\t9\n", "a.tsv:2: label 9 is out of range"),
 ])
 def test_bad_files_are_refused_with_their_line(models, tmp_path, name, content, message):
     path = tmp_path / name
@@ -74,6 +76,12 @@ def test_bad_files_are_refused_with_their_line(models, tmp_path, name, content, 
     with pytest.raises(ValueError) as e:
         task(models["bert"], path)
     assert message in str(e.value)
+
+
+def test_a_language_model_sample_needs_two_tokens(models, tmp_path):
+    (tmp_path / "lm.jsonl").write_text('{"text": "the movie was good"}\n{"text": "good"}\n')
+    with pytest.raises(ValueError, match="lm.jsonl:2: 1 token"):
+        task(models["gpt2"], tmp_path / "lm.jsonl")
 
 
 def test_bad_token_files_are_refused(models, tmp_path):
@@ -96,9 +104,12 @@ def test_tokens_are_cached_and_a_changed_file_is_read_again(models, tmp_path):
     again = task(models["bert"], tsv)
     assert np.array_equal(first.enc.ids, again.enc.ids)
     assert [f for f in os.listdir(tmp_path) if ".l2l-" in f] == caches  # read, not rewritten
-    tsv.write_text("sentence\tlabel\ngood movie\t1\n")
-    os.utime(tsv, ns=(1, 1))
-    assert task(models["bert"], tsv).n == 1
+    text = tsv.read_text()
+    tsv.write_text(text.replace("good", "bad ", 1) if "good" in text else text[::-1])
+    assert len(tsv.read_text()) == len(text)  # same size: only the mtime tells
+    os.utime(tsv, ns=(10**9, 10**9))
+    changed = task(models["bert"], tsv)
+    assert not np.array_equal(changed.enc.ids, first.enc.ids)
 
 
 def test_every_sample_once_per_epoch_in_an_order_of_seed_and_epoch():
@@ -121,7 +132,12 @@ def test_the_loss_is_normalised_by_the_real_targets_of_the_global_step(models, t
 def test_eval_data_is_shared_out_whole(models, tmp_path):
     dev = fx.classification_tsv(tmp_path / "dev.tsv", n=10)
     data = DataConfig(eval_data=str(dev))
-    parts = [build_eval(models["bert"], data, 4, rank, 2).batches() for rank in range(2)]
-    sizes = [len(b.targets) for part in parts for b in part]
-    assert sorted(sizes) == [2, 4, 4] and sum(sizes) == 10
+    parts = [build_eval(models["bert"], data, 4, rank, 2) for rank in range(2)]
+    assert [p.indices for p in parts] == [[0, 2], [1]]  # micro-batches of 4 samples
+    sizes = [len(b.targets) for part in parts for b in part.batches()]
+    assert sorted(sizes) == [2, 4, 4]
+    whole = parts[0].task.batch(np.arange(10), 1.0).targets.tolist()
+    got = [t for j in (0, 1, 2) for t in parts[j % 2].task.batch(
+        np.arange(j * 4, min(j * 4 + 4, 10)), 1.0).targets.tolist()]
+    assert got == whole  # in file order, every sample once
     assert build_eval(models["bert"], DataConfig(), 4, 0, 1) is None

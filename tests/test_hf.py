@@ -116,3 +116,79 @@ def test_unsupported_configs_are_refused(tmp_path):
         build_model(ModelConfig(model=f"hf:{path}"))
     with pytest.raises(ValueError, match="cannot read a Hugging Face config"):
         build_model(ModelConfig(model=f"hf:{tmp_path / 'nothing'}"))
+
+
+def test_evaluation_equals_the_library_model(tmp_path):
+    """The forward-only L2L pass, split over 2 ranks, sums to the library model's loss and
+    correct predictions on the same padded eval data."""
+    import torch.nn.functional as F
+
+    from bench.local import LocalSource
+    from eps_server.config import OptimizerConfig
+    from protocol.tensors import plan_layout
+    from worker.data import Sharder, build_eval
+    from worker.executor import Executor
+
+    for family in ("bert", "llama"):
+        path = fx.model_dir(tmp_path / family, family)
+        train = data_for(family, tmp_path)
+        dev = fx.classification_tsv(tmp_path / "dev.tsv", n=22, seed=9) if family == "bert" \
+            else fx.lm_jsonl(tmp_path / "dev.jsonl", n=22, seed=9)
+        data = DataConfig(data=train.data, eval_data=str(dev))
+        model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ))
+        layout = plan_layout(model.manifest())
+        source = LocalSource(model, layout, OptimizerConfig())
+        task = build_task(model, data, micro_batch_size=4, global_micro_batches=2)
+        ex = Executor(model, layout, source, Sharder(task, 4, 2), device=torch.device("cpu"),
+                      micro_batches=range(2), steps=1, dropout=model.dropout, seed=0)
+        totals = [ex.evaluate(0, build_eval(model, data, 4, r, 2).batches(), False)
+                  for r in range(2)]
+        hf = getattr(transformers, model.export_config().architectures[0]).from_pretrained(
+            str(path), attn_implementation="sdpa").eval()
+        loss = correct = 0.0
+        for b in build_eval(model, data, 4, 0, 1).batches():
+            kw = {"token_type_ids": b.token_types} if b.token_types is not None else {}
+            with torch.no_grad():
+                logits = hf(input_ids=b.inputs, attention_mask=b.mask, **kw).logits
+            flat, targets = logits.reshape(-1, logits.shape[-1]).float(), b.targets.reshape(-1)
+            loss += float(F.cross_entropy(flat, targets, reduction="sum"))
+            correct += int((flat.argmax(-1) == targets).sum())
+        assert abs(sum(t[0] for t in totals) - loss) < 1e-4 * loss
+        assert sum(t[1] for t in totals) == correct
+
+
+def test_checkpoint_names_labels_and_windows(tmp_path):
+    """A missing tensor (other than a new head) is refused, old gamma/beta LayerNorm names are
+    read, --classes must agree with a classifier checkpoint and is needed for a base one, and
+    a Llama config's sliding_window is ignored as LlamaModel ignores it."""
+    from safetensors.torch import load_file, save_file
+
+    from protocol.tensors import plan_layout
+
+    path = fx.model_dir(tmp_path / "bert", "bert")
+    with pytest.raises(ValueError, match="classifier has 3 labels, --classes says 5"):
+        build_model(ModelConfig(model=f"hf:{path}", classes=5))
+    base = fx.model_dir(tmp_path / "base", "bert-base")
+    with pytest.raises(ValueError, match="give --classes"):
+        build_model(ModelConfig(model=f"hf:{base}"))
+    weights = load_file(str(path / "model.safetensors"))
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                     "LayerNorm.beta"): v
+           for k, v in weights.items()}
+    save_file(old, str(path / "model.safetensors"))
+    model = build_model(ModelConfig(model=f"hf:{path}"))
+    pre = plan_layout(model.manifest()).layers[0]
+    assert torch.equal(model.loader().load(pre)["embeddings.LayerNorm.weight"],
+                       weights["bert.embeddings.LayerNorm.weight"])
+    del old["bert.embeddings.LayerNorm.gamma"]
+    save_file(old, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no tensor 'bert.embeddings.LayerNorm.weight'"):
+        build_model(ModelConfig(model=f"hf:{path}")).loader().load(pre)
+    llama = fx.model_dir(tmp_path / "llama", "llama", sliding_window=4)
+    assert {k for _, k in build_model(ModelConfig(model=f"hf:{llama}")).layer_kinds()} == \
+        {"embed", "block", "head"}
+    mistral = fx.model_dir(tmp_path / "mistral", "mistral")
+    assert "sliding" in {k for _, k in build_model(ModelConfig(model=f"hf:{mistral}"))
+                         .layer_kinds()}
+    with pytest.raises(ValueError, match="is the source directory"):
+        model.export(str(path), {}, {})

@@ -169,6 +169,11 @@ def test_mapped_safetensors_reads_views_of_the_file(tmp_path):
     assert sorted(f.keys()) == sorted(tensors)
     for k, v in tensors.items():
         assert f.get(k).dtype == v.dtype and torch.equal(f.get(k), v)
+    a, again = f.get("a"), f.get("a")
+    assert a.data_ptr() == again.data_ptr()  # two views of the same mapped bytes, no copies
+    a.zero_()  # copy-on-write: the file is not changed
+    assert torch.equal(SafetensorsFile(str(tmp_path / "x.safetensors")).get("a"),
+                       tensors["a"])
     (tmp_path / "bad").write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="not a safetensors file"):
         SafetensorsFile(str(tmp_path / "bad"))

@@ -34,8 +34,9 @@ class ModelConfig:
     """Tokens per sample (also the size of the position table)."""
     vocab: int = 128
     """Vocabulary size."""
-    classes: int = 4
-    """Number of classes (classifier heads)."""
+    classes: int = 0
+    """Number of classes of a classifier head; 0: the model's own (built-in bert: 4; a Hugging
+    Face sequence classifier: its labels; a base checkpoint needs it)."""
     dropout: float = 0.1
     """Dropout probability (masks are replayed exactly in the recompute)."""
     tie_embeddings: bool = False
@@ -58,6 +59,10 @@ class ModelConfig:
             raise ValueError("dropout must be in [0, 1)")
         if self.ffn == 0:
             self.ffn = 4 * self.hidden
+        if self.classes == 0 and not self.model.startswith("hf:"):
+            self.classes = 4
+        if self.classes < 0 or self.classes == 1:
+            raise ValueError("classes must be 0 (the model's own) or at least 2")
 
 
 @dataclass(kw_only=True)

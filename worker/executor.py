@@ -85,6 +85,9 @@ class Executor:
                 self.shared.setdefault(tie.owner, set()).add(tie.tensor)
         self.tied: dict[tuple[int, str], torch.Tensor] = {}
         self.tie_grads: dict[tuple[int, str], torch.Tensor] = {}
+        if layer_drop and any(0 < owner < len(self.plans) - 1 for owner in self.shared):
+            raise ValueError("LayerDrop may skip a block whose tensor another layer reads "
+                             "(a tie owned by a block): not supported")
 
     def run_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
@@ -229,13 +232,28 @@ class Executor:
         return layer_drop(self.seed, step, len(self.plans), self.layer_drop)
 
     def evaluate(self, version: int, batches, prefetch_after: bool) -> tuple[float, int, int]:
-        """Forward only (dropout off, no stash, no gradients): every layer at ``version`` once
-        for all ``batches``; returns (summed loss, correct, loss terms)."""
-        batches = [b.to(self.device) for b in batches]
-        xs: list = [None] * len(batches)
-        n = len(self.plans)
+        """Forward only (dropout off, no stash, no gradients) with the weights of ``version``:
+        layer-major passes over ``batches``, u micro-batches at a time (so device memory is that
+        of a training step); returns (summed loss, correct, loss terms)."""
+        loss, correct, count = 0.0, 0, 0
+        u = len(self.micro_batches)
         for binder in self.binders.values():
             binder.module.eval()
+        try:
+            for lo in range(0, len(batches), u):
+                chunk = [b.to(self.device) for b in batches[lo:lo + u]]
+                last = lo + u >= len(batches)
+                for out, c in self._forward_only(version, chunk, prefetch_after or not last):
+                    loss, correct = loss + float(out), correct + int(c)
+                count += sum(int((b.targets != -100).sum()) for b in chunk)
+        finally:
+            for binder in self.binders.values():
+                binder.module.train()
+        return loss, correct, count
+
+    def _forward_only(self, version: int, batches: list, prefetch_after: bool) -> list:
+        xs: list = [None] * len(batches)
+        n = len(self.plans)
         try:
             for layer in range(n):
                 with self.tracer.span(f"E{layer}", "eval"):
@@ -248,11 +266,8 @@ class Executor:
                             xs[i] = stage(xs[i], batch)
                 self.source.release(layer, version)
         finally:
-            for binder in self.binders.values():
-                binder.module.train()
             self.tied.clear()
-        count = sum(int((b.targets != -100).sum()) for b in batches)
-        return (float(sum(loss for loss, _ in xs)), int(sum(int(c) for _, c in xs)), count)
+        return xs
 
     def _tie_grads(self, plan) -> list[torch.Tensor]:
         """fp32 accumulators of the gradients of tied tensors, one per owner's tensor, summed

@@ -89,6 +89,7 @@ def run_worker(args: WorkerArgs) -> dict:
         if welcome.init_layers:
             t0 = time.perf_counter()
             bootstrap(client, model.loader(), layout, welcome.init_layers)
+            model.drop_loader()  # its files stay mapped only while they are read
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
         sharder = Sharder(task, cfg.micro_batch_size, cfg.global_micro_batches)
         source = make_source(client, welcome, layout, cfg, device, tracer)

@@ -93,8 +93,9 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     window = cfg.seq_len if fmt == "txt" else 0
     options = (fmt, data.text_column, data.text_pair_column, data.label_column, classes,
                objective)
+    # A language-model sample needs two tokens (an input and its target).
     enc = cached_encode(path, records, tokenizer, model.path, None if window else cfg.seq_len,
-                        options)
+                        options, min_length=2 if objective == "lm" else 1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=pad,
                     micro_batch_size=size, global_micro_batches=count, window=window)
@@ -104,6 +105,9 @@ class Sharder:
     """The micro-batches of one worker for a step, with the global loss normaliser."""
 
     def __init__(self, task, micro_batch_size: int, global_micro_batches: int):
+        if getattr(task, "count", global_micro_batches) != global_micro_batches or \
+                getattr(task, "size", micro_batch_size) != micro_batch_size:
+            raise ValueError("the task was built for another batch shape than the sharder's")
         self.task = task
         self.size = micro_batch_size
         self.count = global_micro_batches

@@ -13,6 +13,7 @@ undecodable text).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
@@ -49,9 +50,12 @@ def data_format(path: str, fmt: str) -> str:
 
 
 def _lines(path: str):
-    """(line number, text) of a UTF-8 file; an undecodable line is refused by number."""
+    """(line number, text) of a UTF-8 file (a byte-order mark is dropped); an undecodable line
+    is refused by number."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -79,10 +83,10 @@ def _text(path: str, number: int, text: str) -> str:
 
 def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: int) -> Records:
     """A GLUE-layout TSV/CSV file."""
-    lines = list(_lines(path))
+    lines = [t for _, t in _lines(path)]  # checks the encoding line by line
     if not lines:
         raise DataError(f"{path}: the file is empty")
-    rows = csv.reader((t for _, t in lines), delimiter="\t" if fmt == "tsv" else ",",
+    rows = csv.reader(io.StringIO("".join(lines)), delimiter="\t" if fmt == "tsv" else ",",
                       quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL)
     header = next(rows)
     columns = {name: i for i, name in enumerate(header)}
@@ -91,7 +95,8 @@ def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: i
             raise DataError(f"{path}:1: no column {name!r} in the header "
                             f"({', '.join(header)})")
     out = Records([], [] if pair else None, [], [])
-    for (number, _), row in zip(lines[1:], rows):
+    for row in rows:
+        number = rows.line_num  # the row's last line (a quoted field may span lines)
         if not row or row == [""]:
             continue
         if len(row) != len(header):

@@ -48,30 +48,35 @@ def _cache_path(data: str, key: str) -> str:
 
 
 def cache_key(data: str, tokenizer_dir: str, options: tuple) -> str:
+    import tokenizers
+    import transformers
+
     st = os.stat(data)
-    h = hashlib.sha256(repr((os.path.abspath(data), st.st_size, st.st_mtime_ns, options))
-                       .encode())
+    h = hashlib.sha256(repr((os.path.abspath(data), st.st_size, st.st_mtime_ns, options,
+                             transformers.__version__, tokenizers.__version__)).encode())
     for name in sorted(os.listdir(tokenizer_dir)):
-        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens",
+                            "config.json")):
             with open(os.path.join(tokenizer_dir, name), "rb") as f:
                 h.update(name.encode() + hashlib.sha256(f.read()).digest())
     return h.hexdigest()[:16]
 
 
-def encode(records: Records, tokenizer, max_length: int | None) -> Encoded:
+def encode(records: Records, tokenizer, max_length: int | None, min_length: int = 1
+           ) -> Encoded:
     """Tokenise every text (and pair), with the tokenizer's special tokens; ``max_length``
-    truncates a sample (None: one stream without special tokens, e.g. plain text)."""
+    truncates a sample (None: one stream without special tokens, e.g. plain text, tokenised in
+    pieces of about a megabyte so that line starts are not word starts); a sample of fewer
+    than ``min_length`` tokens is refused by its line."""
+    if max_length is None:
+        return _stream(records, tokenizer)
     ids, types, starts = [], [], [0]
     pairs = records.pairs
     for lo in range(0, len(records.texts), CHUNK):
         texts = records.texts[lo:lo + CHUNK]
         kw = dict(text_pair=pairs[lo:lo + CHUNK]) if pairs is not None else {}
-        if max_length is None:
-            out = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
-        else:
-            out = tokenizer(texts, truncation=True, max_length=max_length,
-                            return_attention_mask=False, return_token_type_ids=pairs is not None,
-                            **kw)
+        out = tokenizer(texts, truncation=True, max_length=max_length,
+                        return_attention_mask=False, return_token_type_ids=pairs is not None, **kw)
         for i, seq in enumerate(out["input_ids"]):
             ids.extend(seq)
             starts.append(starts[-1] + len(seq))
@@ -80,18 +85,32 @@ def encode(records: Records, tokenizer, max_length: int | None) -> Encoded:
     enc = Encoded(np.asarray(ids, dtype=np.int32), np.asarray(starts, dtype=np.int64),
                   np.asarray(types, dtype=np.int8) if pairs is not None else None,
                   np.asarray(records.labels, dtype=np.int64) if records.labels else None)
-    if max_length is None:  # one stream
-        enc.starts = np.asarray([0, len(enc.ids)], dtype=np.int64)
-    empty = np.flatnonzero(enc.lengths() == 0)
-    if len(empty):
-        raise ValueError(f"{records.lines[int(empty[0])]}: no tokens (empty text)")
+    short = np.flatnonzero(enc.lengths() < min_length)
+    if len(short):
+        n = int(enc.lengths()[short[0]])
+        raise ValueError(f"{records.lines[int(short[0])]}: {n} token(s), fewer than the "
+                         f"{min_length} a sample needs")
     return enc
 
 
+def _stream(records: Records, tokenizer, piece: int = 1 << 20) -> Encoded:
+    ids, text, size = [], [], 0
+    for line in records.texts + [None]:
+        if line is not None:
+            text.append(line)
+            size += len(line)
+        if text and (line is None or size >= piece):
+            ids.extend(tokenizer("".join(text), add_special_tokens=False,
+                                 return_attention_mask=False)["input_ids"])
+            text, size = [], 0
+    return Encoded(np.asarray(ids, dtype=np.int32), np.asarray([0, len(ids)], dtype=np.int64))
+
+
 def cached_encode(data: str, records_fn, tokenizer, tokenizer_dir: str,
-                  max_length: int | None, options: tuple) -> Encoded:
+                  max_length: int | None, options: tuple, min_length: int = 1) -> Encoded:
     """``encode(records_fn(), ...)`` through the cache (records_fn validates the file)."""
-    path = _cache_path(data, cache_key(data, tokenizer_dir, (max_length, *options)))
+    path = _cache_path(data, cache_key(data, tokenizer_dir, (max_length, min_length,
+                                                               *options)))
     if os.path.isfile(path):
         with np.load(path) as z:
             return Encoded(z["ids"], z["starts"], z["types"] if "types" in z else None,
@@ -99,7 +118,7 @@ def cached_encode(data: str, records_fn, tokenizer, tokenizer_dir: str,
     t0 = time.perf_counter()
     records = records_fn()
     try:
-        enc = encode(records, tokenizer, max_length)
+        enc = encode(records, tokenizer, max_length, min_length)
     except ValueError as e:
         raise ValueError(f"{data}:{e}") from None
     seconds = time.perf_counter() - t0

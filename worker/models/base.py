@@ -220,6 +220,9 @@ class LayeredModel:
             self._loader = SafetensorsInit(path) if path else RandomInit(self)
         return self._loader
 
+    def drop_loader(self) -> None:
+        self._loader = None
+
     def init_flat(self, index: int, plan: LayerPlan) -> torch.Tensor:
         """Initial weights of layer ``index`` in its flat fp32 layout (padding zero)."""
         from .loaders import flat_of

@@ -42,14 +42,34 @@ class HfModel(LayeredModel):
         self.family = families.family_of(self.config)
         self.objective = self.family.objective
         c = self.config
-        if c.model_type == "bert" and not any("SequenceClassification" in a
-                                              for a in (c.architectures or ())):
-            c.num_labels = cfg.classes  # a base-model checkpoint: the head is new
+        if self.objective == "classify":
+            self._labels(cfg.classes)
+        limit = getattr(c, "max_position_embeddings", None)
+        if limit is not None and cfg.seq_len > limit:
+            raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
         # What from_pretrained would pick; the library's modules read it from the config.
         c._attn_implementation = c._attn_implementation or "sdpa"
         self.dropout = max((v for k, v in c.to_dict().items()
                             if isinstance(v, float) and "drop" in k), default=0.0)
         self._kinds = families.block_kinds(c)
+
+    def _labels(self, classes: int) -> None:
+        """A sequence classifier's checkpoint decides its labels (--classes may only agree); a
+        base-model checkpoint gets a new head of --classes labels."""
+        c = self.config
+        if c.problem_type not in (None, "single_label_classification"):
+            raise ValueError(f"problem_type {c.problem_type!r} is not supported (single-label "
+                             "classification only)")
+        if any("SequenceClassification" in a for a in (c.architectures or ())):
+            if classes and classes != c.num_labels:
+                raise ValueError(f"the checkpoint's classifier has {c.num_labels} labels, "
+                                 f"--classes says {classes}")
+            return
+        if classes < 2:
+            raise ValueError("a base-model checkpoint gets a new classifier: give --classes "
+                             "(2 or more)")
+        c.num_labels = classes
 
     def make_stage(self, kind: str):
         return families.make_stage(self.config, kind)

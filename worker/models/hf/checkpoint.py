@@ -54,8 +54,13 @@ class HfCheckpoint:
 
     def _get(self, name: str) -> torch.Tensor | None:
         base = self.model.family.base_prefix
-        for key in (name, name[len(base):] if name.startswith(base) else None):
-            if key is not None and key in self.files:
+        names = [name, name[len(base):]] if name.startswith(base) else [name]
+        # Old BERT checkpoints name LayerNorm parameters gamma/beta (the library renames them).
+        legacy = {".weight": ".gamma", ".bias": ".beta"}
+        names += [n[:-len(e)] + g for n in list(names) for e, g in legacy.items()
+                  if "LayerNorm" in n and n.endswith(e)]
+        for key in names:
+            if key in self.files:
                 path = self.files[key]
                 if path not in self._open:
                     self._open[path] = SafetensorsFile(path)
@@ -69,7 +74,10 @@ class HfCheckpoint:
             name = self.model.family.hf_name(plan.name, slot.name)
             t = self._get(name)
             if t is None:
-                t = _fresh(slot.name, slot.shape, self.model.config.initializer_range, gen)
+                if not name.startswith(self.model.family.new_head):
+                    raise ValueError(f"{self.path} has no tensor {name!r} (nor a legacy name "
+                                     "of it); only a new head may be missing")
+                t = _fresh(slot.shape, self.model.config.initializer_range, gen)
                 fresh.append(name)
             elif tuple(t.shape) != slot.shape:
                 raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)}, the model "
@@ -80,18 +88,26 @@ class HfCheckpoint:
         return out
 
 
-def _fresh(name: str, shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
+def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
+    """A new head's tensor as the library initialises it: normal(0, std), biases 0."""
     if len(shape) >= 2:
         return torch.empty(shape).normal_(0.0, std, generator=gen)
-    leaf = name.rsplit(".", 2)
-    is_norm_scale = name.endswith("weight") and "norm" in leaf[0].lower()
-    return torch.ones(shape) if is_norm_scale else torch.zeros(shape)
+    return torch.zeros(shape)
 
 
 def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
     """Write ``tensors`` ((layer, tensor) -> value, every layer's own) as a Hugging Face
     directory at ``path``."""
+    if os.path.isdir(path) and os.path.samefile(path, model.path):
+        raise ValueError(f"{path} is the source directory; export elsewhere")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(
+            os.path.join(path, "config.json")):
+        raise ValueError(f"{path} is a non-empty directory that is not a model; not writing "
+                         "into it")
     os.makedirs(path, exist_ok=True)
+    stale = os.path.join(path, "model.safetensors.index.json")  # shards of an older export
+    if os.path.isfile(stale):
+        os.remove(stale)
     config = model.export_config()
     config.save_pretrained(path)
     named = [(model.family.hf_name(layer, name), t) for (layer, name), t in tensors.items()]

@@ -20,6 +20,7 @@ class Family:
     objective: str  # "classify" or "lm"
     base_prefix: str  # how the class names its base model (a base-model checkpoint omits it)
     prefixes: dict  # stage kind group ("pre", "block", "post") -> [(stage prefix, hf prefix)]
+    new_head: tuple[str, ...]  # checkpoint names a base-model checkpoint may lack (a new head)
 
     def hf_name(self, layer: str, tensor: str) -> str:
         group, i = ("block", layer.split(".")[1]) if layer.startswith("blocks.") else (layer, "")
@@ -32,17 +33,17 @@ class Family:
 BERT = Family(("bert",), "BertForSequenceClassification", "classify", "bert.", {
     "pre": [("embeddings.", "bert.embeddings.")],
     "block": [("layer.", "bert.encoder.layer.{i}.")],
-    "post": [("pooler.", "bert.pooler."), ("classifier.", "classifier.")]})
+    "post": [("pooler.", "bert.pooler."), ("classifier.", "classifier.")]}, ("classifier.",))
 
 GPT2 = Family(("gpt2",), "GPT2LMHeadModel", "lm", "transformer.", {
     "pre": [("wte.", "transformer.wte."), ("wpe.", "transformer.wpe.")],
     "block": [("block.", "transformer.h.{i}.")],
-    "post": [("ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head.")]})
+    "post": [("ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
 
 DECODER = Family(("llama", "mistral", "qwen2"), "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
-    "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]})
+    "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
 
 FAMILIES = {t: f for f in (BERT, GPT2, DECODER) for t in f.model_types}
 CAUSAL_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -69,17 +70,15 @@ def hf_class(config) -> str:
 
 
 def block_kinds(config) -> list[str]:
-    """The stage kind of each block: one kind unless layers differ (sliding-window attention
-    on some layers of Mistral/Qwen2-style configs)."""
+    """The stage kind of each block, by each model's own rule: Mistral slides every layer when
+    ``sliding_window`` is set, Qwen2 follows ``layer_types``, the others never slide."""
     n = config.num_hidden_layers
-    if config.model_type not in DECODER.model_types:
-        return ["block"] * n
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        sliding = getattr(config, "sliding_window", None) is not None and \
-            getattr(config, "use_sliding_window", True)
-        return ["sliding" if sliding else "block"] * n
-    return ["sliding" if t == "sliding_attention" else "block" for t in types[:n]]
+    if config.model_type == "mistral" and config.sliding_window is not None:
+        return ["sliding"] * n
+    if config.model_type == "qwen2" and getattr(config, "layer_types", None):
+        return ["sliding" if t == "sliding_attention" else "block"
+                for t in config.layer_types[:n]]
+    return ["block"] * n
 
 
 def make_stage(config, kind: str):
