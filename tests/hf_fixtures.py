@@ -12,6 +12,7 @@ WORDS = ("the a one some this that movie film story plot actor scene music endin
          "great awful fine dull bright dark not very quite really so and but it was is seemed "
          "felt looked").split()
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def tokenizer(path: Path, kind: str = "bert"):
@@ -111,4 +112,17 @@ def tokens_bin(path: Path, n: int = 4000, vocab: int | None = None, seed: int = 
     rng = np.random.default_rng([seed, seed if sample_seed is None else sample_seed, 1])
     ids = np.where(rng.random(n) < 0.8, np.resize(phrase, n), rng.integers(0, vocab, size=n))
     ids.astype(dtype).tofile(path)
+    return path
+
+
+def phrase_text(path: Path, lines: int = 300, seed: int = 0, sample_seed: int | None = None
+                ) -> Path:
+    """Plain text: a fixed phrase of WORDS (by ``seed``) repeated, one word in five replaced
+    at random (drawn by ``sample_seed``): a language a small LM learns."""
+    phrase = random.Random(seed).sample(WORDS, 6)
+    rng = random.Random(f"{seed}-{sample_seed}")
+    out = []
+    for _ in range(lines):
+        out.append(" ".join(w if rng.random() < 0.8 else rng.choice(WORDS) for w in phrase))
+    path.write_text("\n".join(out) + "\n")
     return path

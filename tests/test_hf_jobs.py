@@ -86,11 +86,12 @@ def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path):
 
 
 def test_eval_perplexity_falls_on_a_text_file(tmp_path):
-    """GPT-2 on a token-id file through l2l-launch: held-out perplexity after 30 steps is
-    well below the untrained model's (evaluated before the first step)."""
+    """GPT-2 on a plain text file (tokenised by its tokenizer, cut into windows) through
+    l2l-launch: held-out perplexity after 30 steps is well below the untrained model's
+    (evaluated before the first step)."""
     path = fx.model_dir(tmp_path / "model", "gpt2")
-    train = fx.tokens_bin(tmp_path / "train.bin", n=6000)
-    dev = fx.tokens_bin(tmp_path / "dev.bin", n=800, sample_seed=1)  # held out: other draws
+    train = fx.phrase_text(tmp_path / "train.txt", lines=400)
+    dev = fx.phrase_text(tmp_path / "dev.txt", lines=60, sample_seed=1)  # held out
     summary = tmp_path / "s.json"
     p = subprocess.run([sys.executable, "-m", "launch", "--quiet", "--workers", "2",
                         "--model", f"hf:{path}", "--data", str(train), "--eval-data", str(dev),
@@ -104,6 +105,21 @@ def test_eval_perplexity_falls_on_a_text_file(tmp_path):
     assert [e["step"] for e in evals] == [0, 15, 30]
     assert evals[-1]["perplexity"] < 0.5 * evals[0]["perplexity"], evals
     assert "perplexity" in p.stdout
+
+
+def test_hf_to_l2l_to_hf_with_zero_steps_is_bitwise_identical(cluster, tmp_path):
+    """Bootstrapped through the EPS from a sharded checkpoint and saved back untouched."""
+    src = fx.model_dir(tmp_path / "model", "llama")
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(str(src)).save_pretrained(
+        str(sharded), max_shard_size="40KB")
+    for name in fx.TOKENIZER_FILES:
+        if (src / name).exists():
+            (sharded / name).write_bytes((src / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").exists()
+    got, _ = job(cluster, 1, sharded, data_for("llama", tmp_path), steps=0)
+    want = transformers.AutoModelForCausalLM.from_pretrained(str(src)).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_bad_data_file_is_refused_before_training(cluster, tmp_path):
