@@ -100,6 +100,9 @@ class ServerConfig:
     also the EPS's torch intra-op threads."""
     grad_slots: int = 2
     """Gradient slots per worker in shared memory (layers whose reduction may be in flight)."""
+    peer_requests: int = 256
+    """Requests one connection may have waiting for a reply (Fetches of a version not there
+    yet, gradients being reduced, checkpoints); more are refused with "busy"."""
     run_id: str = ""
     """Names this run's shared-memory regions (l2l-<run_id>-...); random when empty."""
     load: str = ""
@@ -124,8 +127,8 @@ class ServerConfig:
             raise ValueError("world_size must be in [1, 4096]")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}")
-        if self.threads < 1 or self.grad_slots < 1:
-            raise ValueError("threads and grad_slots must be >= 1")
+        if self.threads < 1 or self.grad_slots < 1 or self.peer_requests < 1:
+            raise ValueError("threads, grad_slots and peer_requests must be >= 1")
         if self.update not in ("eager", "deferred"):
             raise ValueError("update must be eager or deferred")
         if not self.loss_scale > 0 or self.loss_scale_window < 1:

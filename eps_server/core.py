@@ -22,11 +22,9 @@ from protocol.messages import (
     ArenaReady,
     Bye,
     Fetch,
-    GradAck,
     Hello,
     HyperAck,
     InitLayer,
-    LayerReady,
     Message,
     PushGrad,
     RegionInfo,
@@ -41,16 +39,15 @@ from protocol.trace import NULL, Tracer
 
 from . import checkpoint
 from .config import ServerConfig, with_changes
-from .contributions import Contributions
+from .dataplane import DataPlane
 from .engines import Done, Engines, Exclusive, Init, Reduce, layer_math
 from .errors import RequestError
 from .layer_store import LayerStore
 from .peers import Peer, Peers, check_control, check_hello, check_model
-from .replies import Out, error_out
+from .replies import Out, Waiting, error_out
 from .scheduler import Publish, Saved, UpdateScheduler
 from .stats import EpsStats, peak_memory_bytes
 from .transports import frame_tensor, make_transport
-from .versions import VersionBoard, Waiter
 
 log = logging.getLogger("eps_server")
 
@@ -62,20 +59,22 @@ class EpsCore:
                  tracer: Tracer = NULL):
         self.cfg, self.store, self.run_id = cfg, store, run_id
         self.stats = stats or EpsStats()
-        self.board = VersionBoard(store, gate_on_step=cfg.loss_scaling)
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._wake = wake
         self.engines = Engines(store, layer_math(store, cfg.optimizer), cfg.threads,
                                self._on_done, inline=inline, tracer=tracer)
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size)
+        self.waiting = Waiting(cfg.peer_requests)
         self.initialiser = initialiser  # the rank that sends the initial values
-        self.parts = Contributions(store.num_layers, cfg.world_size)  # this step's pushes
+        self.data = DataPlane(cfg, store, self.engines, self.scheduler, self.peers, self.stats,
+                              self._break)
         self.initialising: set[int] = set()
         self.broken: str | None = None
-        self._handlers = {Hello: self._hello, InitLayer: self._init, Fetch: self._fetch,
-                          PushGrad: self._push, Bye: self._bye, StashArena: self._stash_arena,
-                          Status: self._status, SetHyper: self._set_hyper, Save: self._save}
+        self._handlers = {Hello: self._hello, InitLayer: self._init,
+                          Fetch: self.data.fetch, PushGrad: self.data.push, Bye: self._bye,
+                          StashArena: self._stash_arena, Status: self._status,
+                          SetHyper: self._set_hyper, Save: self._save}
 
     # ------------------------------------------------------------------------- entry points
 
@@ -88,12 +87,17 @@ class EpsCore:
                                    "kind")
             if self.broken is not None and type(msg) not in (Status, Bye):
                 raise RequestError("internal", f"server stopped updating: {self.broken}")
-            return handler(peer, msg, frames)
+            if type(msg) not in (Status, Bye):
+                self.waiting.check(peer)
+            outs = handler(peer, msg, frames)
         except RequestError as e:
-            return [error_out(peer, msg.req_id, e.code, str(e), e.field)]
+            self.stats.busy_refusals += e.code == "busy"
+            outs = [error_out(peer, msg.req_id, e.code, str(e), e.field)]
         except Exception as e:  # a bug: report it, keep serving
             log.exception("internal error handling %s", type(msg).__name__)
-            return [error_out(peer, msg.req_id, "internal", f"{type(e).__name__}: {e}")]
+            outs = [error_out(peer, msg.req_id, "internal", f"{type(e).__name__}: {e}")]
+        self.waiting.note(peer, msg.req_id, outs)
+        return self.waiting.answered(outs)
 
     def poll(self) -> list[Out]:
         """Take in the engines' finished jobs; the replies they made due."""
@@ -102,7 +106,7 @@ class EpsCore:
             try:
                 done = self._done.get_nowait()
             except queue.Empty:
-                return outs
+                return self.waiting.answered(outs)
             try:
                 outs += self._complete(done)
             except Exception as e:  # a bug in the bookkeeping: stop updating, keep answering
@@ -137,16 +141,11 @@ class EpsCore:
         self._done.put(done)
         self._wake()
 
-    def _layer(self, layer: int) -> None:
-        if not 0 <= layer < self.store.num_layers:
-            raise RequestError("bad_request",
-                               f"layer {layer} out of range [0, {self.store.num_layers})", "layer")
-
     def _break(self, why: str) -> list[Out]:
         """An update failed: stop updating; every waiting Fetch gets an internal Error."""
         log.error("server stopped updating: %s", why)
         self.broken = why
-        return [error_out(w.peer, w.request.req_id, "internal", why) for w in self.board.drop()]
+        return self.data.fail_waiters(None, "internal", why)
 
     # ------------------------------------------------------------------------- handshake
 
@@ -162,7 +161,7 @@ class EpsCore:
                                    self.cfg.grad_slots)
         outs = []
         for old in self.peers.register(Peer(identity, msg.rank, transport, grad_dtype, msg.pid)):
-            outs += self._fail_waiters(old, f"rank {msg.rank} was replaced")
+            outs += self.data.fail_waiters(old, "bad_request", f"rank {msg.rank} was replaced")
         log.info("hello from rank %d (pid %d, %s, %s)", msg.rank, msg.pid, msg.host,
                  msg.transport)
         return outs + [Out(identity, Welcome(
@@ -176,7 +175,7 @@ class EpsCore:
 
     def _init(self, identity: bytes, msg: InitLayer, frames) -> list[Out]:
         peer = self.peers.get(identity)
-        self._layer(msg.layer)
+        self.data.check_layer(msg.layer)
         if peer.rank != self.initialiser:
             raise RequestError("bad_request", f"rank {peer.rank} is not the initialising worker "
                                f"(rank {self.initialiser})", "layer")
@@ -197,113 +196,12 @@ class EpsCore:
         if not done.result:
             return [error_out(identity, msg.req_id, "bad_request", f"initial values of layer "
                               f"{msg.layer} are not all finite", "frames")]
-        return [Out(identity, Ack(req_id=msg.req_id)), *self._publish(msg.layer, 0)]
-
-    # ------------------------------------------------------------------------- weights
-
-    def _fetch(self, identity: bytes, msg: Fetch, frames) -> list[Out]:
-        self.peers.get(identity)
-        self._layer(msg.layer)
-        current = self.store.versions[msg.layer]
-        if msg.min_version > current + 1:
-            raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
-                               f"version {msg.min_version} is more than one step ahead",
-                               "min_version")
-        if msg.min_version <= current and self.parts.all_claimed(msg.layer):
-            raise RequestError("bad_request", f"version {current} of layer {msg.layer} is being "
-                               "replaced: every worker has pushed its gradient", "min_version")
-        if self.board.ready(msg.layer, msg.min_version):
-            return [self._layer_ready(identity, msg)]
-        self.board.wait(Waiter(identity, msg, msg.layer, msg.min_version))
-        return []
-
-    def _layer_ready(self, identity: bytes, msg: Fetch) -> Out:
-        peer, plan, store = self.peers.get(identity), self.store.plan(msg.layer), self.store
-        if msg.which == "master" or store.compute_region is None:
-            region, dtype = store.master_region, "float32"
-        else:
-            region, dtype = store.compute_region, store.compute_dtype
-        name, offset, out = peer.transport.layer_out(region, plan.byte_offset(dtype),
-                                                     plan.nbytes(dtype))
-        self.stats.fetches += 1
-        return Out(identity, LayerReady(
-            req_id=msg.req_id, layer=msg.layer, version=store.versions[msg.layer], region=name,
-            offset=offset, nbytes=plan.nbytes(dtype), dtype=dtype,
-            loss_scale=self.scheduler.scaler.scale), out)
-
-    def _publish(self, layer: int, version: int) -> list[Out]:
-        """``layer`` reached ``version``: answer who waited for it; maybe a step completed."""
-        skipped = self.parts.reset(layer)
-        if self.board.set(layer, version):
-            self.scheduler.step_completed(self.board.step)
-        outs = [self._layer_ready(w.peer, w.request) for w in self.board.answerable()]
-        if skipped:
-            self.scheduler.skipped(layer, version)
-        self.scheduler.boundary()
-        return outs
-
-    # ------------------------------------------------------------------------- gradients
-
-    def _push(self, identity: bytes, msg: PushGrad, frames) -> list[Out]:
-        peer = self.peers.get(identity)
-        self._layer(msg.layer)
-        if msg.rank != peer.rank:
-            raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
-                               "rank")
-        version = self.store.versions[msg.layer]
-        if msg.step != version and not (msg.skip and msg.step == version + 1):
-            raise RequestError("bad_request", f"gradient for step {msg.step}, but layer "
-                               f"{msg.layer} is at version {version}", "step")
-        if msg.dtype != peer.grad_dtype:
-            raise RequestError("bad_request", f"this peer said Hello with grad_dtype "
-                               f"{peer.grad_dtype}, not {msg.dtype}", "dtype")
-        if msg.skip:
-            return self._skip(identity, msg, frames)
-        src = peer.transport.gradient_in(msg, frames, self.store.plan(msg.layer))
-        self.parts.claim(msg.layer, peer.rank)
-        # fp16: an overflow is expected now and then and the loss scaler deals with it.
-        self.engines.submit(Reduce(msg.layer, peer.rank, src, not self.cfg.loss_scaling,
-                                   (identity, msg, bool(frames))))
-        return []
-
-    def _skip(self, identity: bytes, msg: PushGrad, frames) -> list[Out]:
-        """LayerDrop: no gradient; once every rank skipped the layer, its version advances
-        without an update. All ranks skip the same layers, or the step is refused. A skip may
-        name the step after the layer's current version (contributions.py)."""
-        if frames:
-            raise RequestError("bad_request", "a skip carries no gradient", "frames")
-        ack = [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
-                                     slot=-1))]
-        if msg.step > self.store.versions[msg.layer]:  # the layer is not there yet: it waits
-            self.parts.skip_early(msg.layer, msg.rank)  # (after this rank's part of the step)
-            return ack
-        self.parts.claim(msg.layer, msg.rank, skip=True)
-        if self.parts.add(msg.layer):
-            self.scheduler.skipped(msg.layer, msg.step)
-        return ack
-
-    def _reduced(self, done: Done) -> list[Out]:
-        identity, msg, framed = done.job.ticket
-        self.stats.reduce_seconds += done.seconds
-        if done.error is not None or not done.result:
-            self.parts.release(msg.layer, msg.rank)  # nothing was added: may push again
-            if done.error is not None:
-                return [error_out(identity, msg.req_id, "internal",
-                                  f"{type(done.error).__name__}: {done.error}")]
-            return [error_out(identity, msg.req_id, "bad_request", f"non-finite gradient for "
-                              f"layer {msg.layer} from rank {msg.rank} at step {msg.step}; not "
-                              "applied", "frames" if framed else "slot")]
-        self.stats.pushes += 1
-        self.stats.bytes_reduced += done.job.src.numel() * done.job.src.element_size()
-        if self.parts.add(msg.layer):
-            self.scheduler.reduced(msg.layer, msg.step)
-        return [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
-                                      slot=msg.slot))]
+        return [Out(identity, Ack(req_id=msg.req_id)), *self.data.publish(msg.layer, 0)]
 
     def _complete(self, done: Done) -> list[Out]:
         job = done.job
         if isinstance(job, Reduce):
-            return self._reduced(done)
+            return self.data.reduced(done)
         if isinstance(job, Init):
             return self._initialised(done)
         if done.error is not None and not isinstance(job, Exclusive):
@@ -312,7 +210,7 @@ class EpsCore:
         outs: list[Out] = []
         for action in self.scheduler.job_done(done):
             if isinstance(action, Publish):
-                outs += self._publish(action.layer, action.version)
+                outs += self.data.publish(action.layer, action.version)
             elif isinstance(action, Saved):
                 outs += self._saved(action)
         return outs
@@ -357,7 +255,7 @@ class EpsCore:
         try:
             region = self.store.stash_region(peer.rank, msg.nbytes)
         except OSError as e:
-            raise RequestError("bad_request", f"cannot allocate a stash arena of {msg.nbytes} "
+            raise RequestError("resource", f"cannot allocate a stash arena of {msg.nbytes} "
                                f"bytes: {e}", "nbytes") from None
         log.info("stash arena of %.1f MiB for rank %d", msg.nbytes / 2**20, peer.rank)
         return [Out(identity, ArenaReady(req_id=msg.req_id, region=RegionInfo(
@@ -385,9 +283,5 @@ class EpsCore:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
         self.peers.leave(identity, msg.done)
-        outs = self._fail_waiters(identity, f"rank {peer.rank} said Bye")
+        outs = self.data.fail_waiters(identity, "bad_request", f"rank {peer.rank} said Bye")
         return outs + [Out(identity, Ack(req_id=msg.req_id))]
-
-    def _fail_waiters(self, identity: bytes, why: str) -> list[Out]:
-        return [error_out(w.peer, w.request.req_id, "bad_request", why)
-                for w in self.board.drop(identity)]

@@ -14,6 +14,7 @@ deterministically); results still arrive through ``on_done``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import queue
@@ -29,7 +30,7 @@ from protocol.trace import NULL, Tracer
 
 from .config import OptimizerConfig
 from .layer_store import LayerStore
-from .optimizers import LayerOptimizer, make_optimizer
+from .optimizers import CHUNK, LayerOptimizer, make_optimizer
 from .updater import LayerStats, clip_coefficient
 
 log = logging.getLogger("eps_server")
@@ -44,6 +45,12 @@ def all_finite(t: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------- jobs
 
 
+class Reduced(enum.Enum):
+    OK = "ok"
+    REFUSED = "refused"  # the gradient is not finite: nothing was added
+    OVERFLOW = "overflow"  # added, and the sum is not finite: the layer cannot be updated
+
+
 @dataclass(frozen=True)
 class Init:
     """Write a layer's initial fp32 values (refused if not all finite). Result: bool."""
@@ -56,7 +63,7 @@ class Init:
 @dataclass(frozen=True)
 class Reduce:
     """Add one worker's gradient into the layer's accumulator (the first one is copied).
-    Result: False if ``check_finite`` and the gradient is not finite (nothing added)."""
+    Result: a ``Reduced``."""
 
     layer: int
     rank: int
@@ -123,15 +130,26 @@ class LayerMath:
     grad: torch.Tensor
     added: int = 0  # gradients in the accumulator this step
 
-    def reduce(self, src: torch.Tensor, check_finite: bool) -> bool:
+    def reduce(self, src: torch.Tensor, check_finite: bool) -> Reduced:
+        """Add ``src``. With ``check_finite``, a non-finite gradient is refused (nothing added)
+        and the sum is checked as it is made: the add runs chunk by chunk and each chunk's sum
+        is read while the chunk is still in cache (finite gradients can overflow together)."""
         if check_finite and not all_finite(src):
-            return False
+            return Reduced.REFUSED
         if self.added == 0:
             self.grad.copy_(src)
-        else:
+        elif not check_finite:
             self.grad.add_(src)
+        else:
+            total = 0.0
+            for lo in range(0, self.grad.numel(), CHUNK):
+                part = self.grad[lo:lo + CHUNK]
+                part.add_(src[lo:lo + CHUNK])
+                total += float(part.sum(dtype=torch.float64))
+            if not math.isfinite(total):
+                return Reduced.OVERFLOW
         self.added += 1
-        return True
+        return Reduced.OK
 
     def measure(self, norm: bool, check_finite: bool) -> LayerStats:
         """Finiteness (if asked) and, if ``norm``, squared norm: one pass either way."""

@@ -1,10 +1,11 @@
 """The model's weights in shared memory: fp32 master, compute copy, versions, gradient slots.
 
-Regions (all created by the EPS, mode 0600, unlinked by the EPS alone):
-  l2l-<run>-master        fp32 master of every layer, in the flat layout of protocol.tensors
-  l2l-<run>-compute       compute-precision copy (bf16/fp16 only; with fp32 the master is served)
-  l2l-<run>-grads-r<k>-<dtype>  rank k's gradient slots, ``grad_slots`` x the largest layer
-  l2l-<run>-stash-r<k>    rank k's stash arena (``--stash eps``), sized by the worker
+Regions (all created by the EPS, mode 0600, unlinked by the EPS alone; every name ends with a
+random part, ``-<x>``, so nobody can create one first to make the EPS fail):
+  l2l-<run>-master-<x>    fp32 master of every layer, in the flat layout of protocol.tensors
+  l2l-<run>-compute-<x>   compute-precision copy (bf16/fp16 only; with fp32 the master is served)
+  l2l-<run>-grads-r<k>-<dtype>-<x>  rank k's gradient slots, ``grad_slots`` x the largest layer
+  l2l-<run>-stash-r<k>-<x>  rank k's stash arena (``--stash eps``), sized by the worker
 
 Versions: ``versions[l]`` is the number of optimizer steps applied to layer l (-1 before its
 initial values arrive). Step t of training reads version t of every layer. Layer l is only ever
@@ -17,6 +18,7 @@ place sees that a version exists without asking.
 from __future__ import annotations
 
 import logging
+import secrets
 
 import torch
 
@@ -54,7 +56,7 @@ class LayerStore:
                          else self.compute_region.tensor(DTYPES[compute_dtype]))
 
     def _create(self, suffix: str, nbytes: int) -> Region:
-        region = Region.create(f"l2l-{self.run_id}-{suffix}", nbytes)
+        region = Region.create(f"l2l-{self.run_id}-{suffix}-{secrets.token_hex(4)}", nbytes)
         self._regions.append(region)
         return region
 

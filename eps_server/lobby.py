@@ -97,8 +97,11 @@ class Lobby:
         try:
             core = create_core(self.cfg, msg.manifest, self.run_id, initialiser=msg.rank,
                                stats=self.stats, **self.core_kw)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise RequestError("internal", f"cannot hold this model: {e}") from None
+        except OSError as e:
+            raise RequestError("resource", f"cannot hold this model: {e}") from None
+        except (RuntimeError, ValueError) as e:
+            raise RequestError("bad_request", f"cannot hold this model: {e}",
+                               "manifest") from None
         return core, core.handle(peer, msg, frames)
 
     def _other(self, peer: bytes, msg: Message) -> Out:

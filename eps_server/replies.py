@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from protocol.messages import Error, Message
 
+from .errors import RequestError
+
 
 @dataclass(frozen=True)
 class Out:
@@ -18,3 +20,32 @@ class Out:
 
 def error_out(peer: bytes, req_id: int, code: str, message: str, field: str = "") -> Out:
     return Out(peer, Error(req_id=req_id, code=code, message=message, field=field))
+
+
+class Waiting:
+    """Requests of each connection that are answered later (a Fetch for a version not there
+    yet, a gradient being reduced, a checkpoint). A connection may have at most ``limit``: a
+    peer that floods the server cannot make it hold unbounded state for it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._by_peer: dict[bytes, set[int]] = {}
+
+    def check(self, peer: bytes) -> None:
+        if len(self._by_peer.get(peer, ())) >= self.limit:
+            raise RequestError("busy", f"{self.limit} requests of this connection are waiting "
+                               "for their replies; send more once they came")
+
+    def note(self, peer: bytes, req_id: int, outs: list[Out]) -> None:
+        """``outs`` are the replies due now; without one to ``req_id``, it waits."""
+        if not any(o.peer == peer and o.msg.req_id == req_id for o in outs):
+            self._by_peer.setdefault(peer, set()).add(req_id)
+
+    def answered(self, outs: list[Out]) -> list[Out]:
+        for o in outs:
+            waiting = self._by_peer.get(o.peer)
+            if waiting is not None:
+                waiting.discard(o.msg.req_id)
+                if not waiting:
+                    del self._by_peer[o.peer]
+        return outs

@@ -35,6 +35,8 @@ from .stats import EpsStats
 log = logging.getLogger("eps_server")
 
 SETTLE_TIMEOUT = 60.0  # after the last Bye(done), wait this long for the last updates
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are decoded on a thread
+HWM = 1000  # messages queued per peer, each way (> the per-peer pending limit)
 
 
 class EpsServer:
@@ -47,6 +49,8 @@ class EpsServer:
         self.core: EpsCore | None = None
         self._core_kw = {"stats": self.stats, "wake": self._wake, "tracer": self.tracer}
         self.lobby = Lobby(cfg, self.run_id, **self._core_kw)
+        self._lobby = asyncio.Lock()
+        self._dropping: set[bytes] = set()  # peers whose replies could not be sent
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
@@ -70,6 +74,9 @@ class EpsServer:
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable reply is an error
+        self.sock.setsockopt(zmq.SNDHWM, HWM)
+        self.sock.setsockopt(zmq.RCVHWM, HWM)
         remove_ipc(self.cfg.endpoint)  # a stale socket file from a killed server
         self.sock.bind(self.cfg.endpoint)
         self.events.emit(Ready(endpoint=self.cfg.endpoint, run_id=self.run_id, pid=os.getpid()))
@@ -112,22 +119,28 @@ class EpsServer:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
-                await self._send(self._dispatch(frames[0].bytes, frames[1:]))
+                await self._send(await self._dispatch(frames[0].bytes, frames[1:]))
                 self._check_exit()
             except Exception:  # a bug: never stop receiving because of one message
                 log.exception("internal error serving a message")
 
-    def _dispatch(self, identity: bytes, frames: list) -> list[Out]:
+    async def _dispatch(self, identity: bytes, frames: list) -> list[Out]:
         self.stats.messages += 1
-        try:
-            msg, tensor_frames = codec.decode(frames)
+        try:  # only a Hello's body may be large: decoding it never stalls the loop
+            big = len(frames) > 1 and len(frames[1]) > OFF_LOOP_BYTES
+            msg, tensor_frames = (await asyncio.to_thread(codec.decode, frames) if big
+                                  else codec.decode(frames))
         except codec.DecodeError as e:
             self.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), e)
             return [Out(identity, decode_error(frames, e))]
         if self.core is not None:
             return self.core.handle(identity, msg, tensor_frames)
-        core, outs = self.lobby.handle(identity, msg, tensor_frames)
+        async with self._lobby:  # creating a model (shared memory) takes time: off the loop
+            if self.core is not None:
+                return self.core.handle(identity, msg, tensor_frames)
+            core, outs = await asyncio.to_thread(self.lobby.handle, identity, msg,
+                                                 tensor_frames)
         if core is not None and self._stop.is_set():  # created while stopping: undo
             core.close(final_save=False)
         else:
@@ -135,9 +148,18 @@ class EpsServer:
         return outs
 
     async def _send(self, outs: list[Out]) -> None:
+        """Send without blocking: a peer that does not read its replies loses them, counted
+        and logged, instead of holding up everyone else (ROUTER_MANDATORY reports it)."""
         for out in outs:
-            await self.sock.send_multipart([out.peer, *codec.encode(out.msg, out.frames)],
-                                           copy=False)
+            try:
+                await self.sock.send_multipart([out.peer, *codec.encode(out.msg, out.frames)],
+                                               flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:
+                self.stats.replies_dropped += 1
+                if out.peer not in self._dropping:
+                    self._dropping.add(out.peer)
+                    log.warning("dropping replies to %s: %s (it does not read them, or is "
+                                "gone)", out.peer.hex(), e.strerror)
 
     def _wake(self) -> None:
         """An engine finished a job (engine thread): have the loop poll the core."""
@@ -193,9 +215,8 @@ def _log_failure(task: asyncio.Task) -> None:
 def decode_error(frames: list, e: codec.DecodeError) -> Error:
     """The reply to an undecodable message; another protocol version's Hello (which may not
     decode at all) is told about the version first."""
-    version = codec.peek(frames, "protocol_version", kind=Hello)
-    if version is not None and version != PROTOCOL_VERSION:
-        return Error(req_id=codec.peek_req_id(frames), code="protocol_version",
-                     message=version_text(version), field="protocol_version")
-    return Error(req_id=codec.peek_req_id(frames), code="bad_message", message=str(e),
-                 field=e.field)
+    hello = memoryview(frames[0]).tobytes() == bytes((Hello.KIND,)) if frames else False
+    if hello and e.protocol_version is not None and e.protocol_version != PROTOCOL_VERSION:
+        return Error(req_id=e.req_id, code="protocol_version",
+                     message=version_text(e.protocol_version), field="protocol_version")
+    return Error(req_id=e.req_id, code="bad_message", message=str(e), field=e.field)

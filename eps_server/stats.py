@@ -29,6 +29,10 @@ class EpsStats:
     """Steps in which some gradient overflowed (fp16) or had a non-finite norm."""
     skipped_updates: int = 0
     """Layer updates skipped because of an overflow."""
+    replies_dropped: int = 0
+    """Replies that could not be sent (a peer that does not read them, or is gone)."""
+    busy_refusals: int = 0
+    """Requests refused because their connection had too many waiting."""
 
     def snapshot(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}

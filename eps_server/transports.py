@@ -31,7 +31,7 @@ class ShmTransport:
         try:
             self.grads = store.grad_region(rank, grad_dtype, slots)
         except OSError as e:
-            raise RequestError("internal", f"cannot create gradient slots: {e}") from None
+            raise RequestError("resource", f"cannot create gradient slots: {e}") from None
 
     def welcome(self) -> dict:
         g = self.grads

@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("save")
     v.add_argument("path")
     a = p.parse_args(argv)
-    client = EpsClient(a.endpoint, timeout=a.timeout)
+    try:
+        client = EpsClient(a.endpoint, timeout=a.timeout)
+    except ValueError as e:
+        print(f"l2l-ctl: {e}", file=sys.stderr)
+        return 1
     try:
         if a.command == "status":
             r = client.status()
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             # A checkpoint waits for the current step to finish: allow it an hour.
             client.wait(client.request(Save, path=os.path.abspath(a.path)), timeout=3600)
             out = {"saved": a.path}
-    except (EpsError, EpsDisconnected, TimeoutError) as e:
+    except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:
         print(f"l2l-ctl: {e}", file=sys.stderr)
         return 1
     finally:

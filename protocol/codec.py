@@ -18,18 +18,22 @@ import msgpack
 
 from .messages import REGISTRY, FieldError, Message
 
-MAX_BODY_BYTES = 64 << 20
+MAX_BODY_BYTES = 64 << 20  # no kind's limit (messages.py) is above this
 MAX_FRAMES = 16
+MAX_OBJECTS = 1 << 18  # containers (arrays, maps) one body may decode to
 _MAX_STR = 1 << 20
 _MAX_ITEMS = 1 << 20
 
 
 class DecodeError(ValueError):
-    """A message could not be decoded; ``field`` names the offending part (may be empty)."""
+    """A message could not be decoded; ``field`` names the offending part (may be empty).
+    ``req_id`` and ``protocol_version`` are those of the body when it was a map holding them
+    as ints (so an Error reply can be matched, and another version's Hello told so)."""
 
-    def __init__(self, message: str, field: str = ""):
+    def __init__(self, message: str, field: str = "", req_id: int = 0,
+                 protocol_version: int | None = None):
         super().__init__(message)
-        self.field = field
+        self.field, self.req_id, self.protocol_version = field, req_id, protocol_version
 
 
 def encode(msg: Message, frames: Sequence[Any] = ()) -> list[Any]:
@@ -53,45 +57,67 @@ def decode(frames: Sequence[Any]) -> tuple[Message, list[memoryview]]:
     if cls is None:
         raise DecodeError(f"unknown message kind {kind_frame.tobytes()[0]}", "kind")
     body = memoryview(frames[1])
-    if body.nbytes > MAX_BODY_BYTES:
-        raise DecodeError(f"body of {body.nbytes} bytes exceeds {MAX_BODY_BYTES}", "body")
-    try:
-        obj = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, max_str_len=_MAX_STR, max_bin_len=_MAX_STR,
-            max_array_len=_MAX_ITEMS, max_map_len=_MAX_ITEMS, max_ext_len=0,
-        )
-    except Exception as e:  # msgpack raises several types for malformed input
-        raise DecodeError(f"body is not valid msgpack: {e}", "body") from None
+    if body.nbytes > cls.BODY_LIMIT:
+        raise DecodeError(f"{cls.__name__} body of {body.nbytes} bytes exceeds its limit of "
+                          f"{cls.BODY_LIMIT}", "body")
+    obj, ints = _unpack(body)
+    req_id, version = ints.get("req_id", 0), ints.get("protocol_version")
     try:
         msg = _from_wire(cls, obj, "")
     except DecodeError as e:
-        raise DecodeError(f"{cls.__name__}.{e}", e.field) from None
+        raise DecodeError(f"{cls.__name__}.{e}", e.field, req_id, version) from None
     extra = [memoryview(f) for f in frames[2:]]
     lo, hi = cls.FRAMES
     if not lo <= len(extra) <= hi:
         raise DecodeError(f"{cls.__name__} takes {lo}..{hi} tensor frames, got {len(extra)}",
-                          "frames")
+                          "frames", req_id, version)
     return msg, extra
 
 
-def peek(frames: Sequence[Any], key: str, kind: type[Message] | None = None) -> Any:
-    """Best-effort int field of an undecodable message (None if absent or not an int), e.g.
-    its req_id so an Error reply can still be matched, or a Hello's protocol_version."""
+def _unpack(body: memoryview) -> tuple[Any, dict[str, int]]:
+    """msgpack of plain values, in one pass, at most MAX_OBJECTS containers (a few bytes of
+    msgpack can stand for an empty array that costs a hundred bytes of memory). The top-level
+    map is read entry by entry, so its ``req_id`` and ``protocol_version`` (sent first) are
+    known even when a later entry is refused: they come back in the DecodeError."""
+    count = 0
+    ints: dict[str, int] = {}
+
+    def counted(value):
+        nonlocal count
+        count += 1
+        if count > MAX_OBJECTS:
+            raise DecodeError(f"body holds more than {MAX_OBJECTS} arrays and maps", "body",
+                              ints.get("req_id", 0), ints.get("protocol_version"))
+        return value
+
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=True, max_buffer_size=max(body.nbytes, 1),
+        max_str_len=_MAX_STR, max_bin_len=_MAX_STR, max_array_len=_MAX_ITEMS,
+        max_map_len=_MAX_ITEMS, max_ext_len=0, list_hook=counted, object_hook=counted)
+    unpacker.feed(body)
     try:
-        if kind is not None and memoryview(frames[0]).tobytes() != bytes((kind.KIND,)):
-            return None
-        obj = msgpack.unpackb(memoryview(frames[1]), raw=False, max_str_len=_MAX_STR,
-                              max_bin_len=_MAX_STR, max_array_len=_MAX_ITEMS,
-                              max_map_len=_MAX_ITEMS, max_ext_len=0)
-        value = obj.get(key)
-        return value if type(value) is int else None
-    except Exception:
-        return None
-
-
-def peek_req_id(frames: Sequence[Any]) -> int:
-    rid = peek(frames, "req_id")
-    return rid if rid is not None and 0 <= rid < 1 << 63 else 0
+        try:
+            entries = unpacker.read_map_header()
+        except (ValueError, TypeError, msgpack.UnpackException):
+            raise DecodeError("body: expected a map", "body") from None
+        obj = {}
+        for _ in range(entries):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if not isinstance(key, str):
+                raise DecodeError("body: map keys must be strings", "body")
+            obj[key] = value
+            if key in ("req_id", "protocol_version") and type(value) is int and value >= 0:
+                ints[key] = value if value < 1 << 63 else 0
+        try:
+            unpacker.unpack()
+        except msgpack.OutOfData:
+            return obj, ints
+        raise DecodeError("body: data after the message", "body")
+    except DecodeError:
+        raise
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise DecodeError(f"body is not valid msgpack: {e}", "body", ints.get("req_id", 0),
+                          ints.get("protocol_version")) from None
 
 
 # ----------------------------------------------------------------------------- to wire

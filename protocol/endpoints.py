@@ -53,6 +53,22 @@ def check_bind(endpoint: str) -> None:
     raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:///path or tcp://127.0.0.1:PORT")
 
 
+def check_connect(endpoint: str) -> None:
+    """Raise ValueError if the ipc socket to connect to lies in a directory that another user
+    owns or that others can enter: whoever listens there could be anyone (a client sends its
+    Hello, manifest included, to whoever answers)."""
+    if not endpoint.startswith("ipc://"):
+        return
+    parent = os.path.dirname(endpoint[len("ipc://"):])
+    try:
+        st = os.stat(parent)
+    except FileNotFoundError:
+        return  # nothing listens there yet; the connection will wait (and time out)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(f"refusing to connect to {endpoint}: its directory {parent} must be "
+                         "owned by this user with mode 0700")
+
+
 def remove_ipc(endpoint: str) -> None:
     """Remove an ipc socket file left behind (ZeroMQ does not always unlink it)."""
     if endpoint.startswith("ipc://"):

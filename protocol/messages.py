@@ -26,6 +26,8 @@ ERROR_CODES = (
     "not_registered",  # request from a peer that has not said Hello
     "bad_request",  # well-formed but not valid now (wrong step, unknown layer, duplicate push...)
     "not_ready",  # the model has not been initialised yet
+    "busy",  # this connection has too many requests waiting; retry once replies came
+    "resource",  # the server's machine refused a resource (shared memory, a file)
     "internal",  # a bug in the server; the request had no effect
 )
 MAX_RANKS = 4096
@@ -36,8 +38,16 @@ MAX_STR = 4096
 REGISTRY: dict[int, type[Message]] = {}
 
 
-def message(kind: int, frames: tuple[int, int] = (0, 0)):
-    """Register a message class under its one-byte kind; ``frames`` = (min, max) tensor frames."""
+# Body limits: a request needs well under 1 KiB (tensor bytes travel as frames); a Hello may
+# carry a manifest; replies come from the server.
+SMALL_BODY = 4 << 10
+MANIFEST_BODY = 4 << 20
+REPLY_BODY = 1 << 20
+
+
+def message(kind: int, frames: tuple[int, int] = (0, 0), body: int = SMALL_BODY):
+    """Register a message class under its one-byte kind; ``frames`` = (min, max) tensor frames,
+    ``body`` = the largest msgpack body accepted."""
 
     def wrap(cls):
         if kind in REGISTRY or not (0 < kind < 256):
@@ -45,6 +55,7 @@ def message(kind: int, frames: tuple[int, int] = (0, 0)):
         cls = dataclass(frozen=True, kw_only=True)(cls)
         cls.KIND = kind
         cls.FRAMES = frames
+        cls.BODY_LIMIT = body
         REGISTRY[kind] = cls
         return cls
 
@@ -68,6 +79,7 @@ class FieldError(ValueError):
 class Message:
     KIND: ClassVar[int]
     FRAMES: ClassVar[tuple[int, int]]
+    BODY_LIMIT: ClassVar[int]
     req_id: int
 
     def __post_init__(self) -> None:
@@ -95,7 +107,7 @@ class RegionInfo:
 # ----------------------------------------------------------------------------- handshake
 
 
-@message(1)
+@message(1, body=MANIFEST_BODY)
 class Hello(Message):
     """First request of every worker. ``manifest`` is sent so the first worker can bootstrap."""
 
@@ -119,7 +131,7 @@ class Hello(Message):
         _require(len(self.host) <= 255, "host", "too long")
 
 
-@message(2)
+@message(2, body=REPLY_BODY)
 class Welcome(Message):
     """Reply to Hello: where the model lives and which step to run next."""
 
@@ -140,7 +152,7 @@ class Welcome(Message):
     versions: RegionInfo | None = None
 
 
-@message(3)
+@message(3, body=REPLY_BODY)
 class Error(Message):
     """Any request may be answered by an Error instead of its usual reply."""
 
@@ -184,7 +196,7 @@ class Fetch(Message):
         _require(self.which in WHICH, "which", f"must be one of {WHICH}")
 
 
-@message(7, frames=(0, 1))
+@message(7, frames=(0, 1), body=REPLY_BODY)
 class LayerReady(Message):
     """Reply to Fetch. shm transport: read ``nbytes`` at ``offset`` of ``region``; frames
     transport: the bytes are the one tensor frame (``region`` is empty)."""
@@ -237,7 +249,7 @@ class GradAck(Message):
 # ----------------------------------------------------------------------------- control
 
 
-@message(10)
+@message(10, body=2 * SMALL_BODY)
 class Save(Message):
     """Write a checkpoint of the server's state (after the last complete step) to ``path``."""
 
@@ -252,7 +264,7 @@ class Status(Message):
     """Ask for the server's state."""
 
 
-@message(12)
+@message(12, body=REPLY_BODY)
 class StatusReply(Message):
     run_id: str
     step: int  # steps completed by every layer (= the next step to run)
@@ -286,7 +298,7 @@ class StashArena(Message):
         _require(0 < self.nbytes <= MAX_ARENA_BYTES, "nbytes", f"must be in (0, {MAX_ARENA_BYTES}]")
 
 
-@message(15)
+@message(15, body=REPLY_BODY)
 class ArenaReady(Message):
     """Reply to StashArena: the arena's region (created for this rank, mode 0600)."""
 
@@ -308,7 +320,7 @@ class SetHyper(Message):
         _require(0 < len(self.changes) <= 32, "changes", "must name 1..32 settings")
 
 
-@message(17)
+@message(17, body=REPLY_BODY)
 class HyperAck(Message):
     optimizer: dict[str, str | int | float | bool]
 

@@ -196,6 +196,12 @@ def test_encode_checks_frame_count():
         codec.encode(Fetch(req_id=1, layer=0, min_version=0), [b"x"])
 
 
-def test_peek_req_id():
-    assert codec.peek_req_id([b"\x06", body(req_id=42, layer="bad")]) == 42
-    assert codec.peek_req_id([b"\x06", b"\xc1"]) == 0
+def test_an_undecodable_body_keeps_its_req_id():
+    """The Error for a body that does not decode still names its req_id (the body is
+    unpacked once)."""
+    with pytest.raises(codec.DecodeError) as e:
+        codec.decode([b"\x06", body(req_id=42, layer="bad")])
+    assert e.value.req_id == 42
+    with pytest.raises(codec.DecodeError) as e:
+        codec.decode([b"\x06", b"\xc1"])
+    assert e.value.req_id == 0

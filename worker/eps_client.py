@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol import codec
+from protocol.endpoints import check_connect
 from protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -55,6 +56,7 @@ class EpsDisconnected(ConnectionError):
 
 class EpsClient:
     def __init__(self, endpoint: str, timeout: float = 600.0):
+        check_connect(endpoint)
         self.endpoint = endpoint
         self.timeout = timeout
         self._ctx = zmq.Context()
