@@ -1,86 +1,133 @@
-"""Atomic checkpoints of the EPS: manifest, fp32 master, optimizer state, step.
+"""Checkpoints of the EPS: manifest, fp32 master, optimizer state, step (protocol/checkpoints.py
+says how they lie on disk: one directory per checkpoint under a root, a ``latest`` pointer, a
+checksum for every file).
 
-A checkpoint is a directory:
-  manifest.json          the model manifest (the EPS can start from it alone)
-  state.json             format, step, manifest hash, optimizer config
-  master.safetensors     "<layer>/<tensor>" -> fp32 tensor with its real shape
-  optimizer.safetensors  "<layer>/<group index>.<state key>" -> optimizer state
+    manifest.json          the model manifest (the EPS can start from it alone)
+    state.json             format, step, versions, manifest hash, optimizer and loss-scaler state
+    master.safetensors     "<layer>/<tensor>" -> fp32 tensor with its real shape
+    optimizer.safetensors  "<layer>/<state key>" -> optimizer state
+    checksums.json         sha256 and size of each of the above, checked on load
 
-It is written to ``<path>.tmp-<pid>`` (files fsynced) and renamed into place; a previous
-checkpoint at ``path`` is moved aside first and removed after the rename, and ``load`` falls
-back to it if a crash happened in between. A ``path`` that holds anything but a checkpoint is
-refused, never replaced.
+A checkpoint is written under a temporary name (files fsynced), renamed into place, and only
+then made ``latest``; the oldest beyond ``keep`` are removed after that. A root that holds
+anything but checkpoints is refused, never written into.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
-from protocol.safetensors_io import write_safetensors
+from protocol import checkpoints as layout_on_disk
+from protocol.safetensors_io import SafetensorsFile, write_safetensors
 from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, plan_layout, views
 
-FORMAT = 1
+FORMAT = 2  # 2: a root of checkpoint directories, checksums
 
 
-def check_target(path: str) -> None:
-    """Raise ValueError unless ``path`` may receive a checkpoint: it does not exist, is an
-    empty directory, or holds a checkpoint (which is replaced). Anything else is left alone."""
-    path = os.path.abspath(path)
-    if not os.path.exists(path):
-        if not os.path.isdir(os.path.dirname(path)):
-            raise ValueError(f"cannot write a checkpoint to {path}: no such parent directory")
+def check_target(root: str) -> None:
+    """Raise ValueError unless ``root`` may receive checkpoints: it does not exist (its parent
+    does), is an empty directory, or is a checkpoint root. Anything else is left alone."""
+    root = os.path.abspath(root)
+    if not os.path.exists(root):
+        if not os.path.isdir(os.path.dirname(root)):
+            raise ValueError(f"cannot write a checkpoint to {root}: no such parent directory")
         return
-    if not os.path.isdir(path):
-        raise ValueError(f"{path} exists and is not a directory; not overwriting it")
-    if os.listdir(path) and not os.path.isfile(os.path.join(path, "state.json")):
-        raise ValueError(f"{path} is a non-empty directory that is not a checkpoint; "
-                         "not replacing it")
+    if not os.path.isdir(root):
+        raise ValueError(f"{root} exists and is not a directory; not overwriting it")
+    if os.listdir(root) and not layout_on_disk.is_root(root):
+        raise ValueError(f"{root} is a non-empty directory that is not a checkpoint root; "
+                         "not writing into it")
 
 
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
+def _write_json(path: str, obj) -> dict:
+    data = json.dumps(obj).encode()
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return {"sha256": layout_on_disk.sha256_file(path), "size": len(data)}
 
 
-def save(path: str, store, optimizers, extra: dict) -> None:
-    """Write the store's master and the optimizers' state at a step boundary (math thread)."""
-    check_target(path)
-    path = os.path.abspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
+def save(root: str, store, optimizers, extra: dict, keep: int = 1) -> str:
+    """Write the store's master and the optimizers' state at a step boundary (on an engine,
+    the others parked) as a new checkpoint under ``root``; returns its directory."""
+    check_target(root)
+    root = os.path.abspath(root)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    name = _new_name(root, layout_on_disk.step_name(store.step))
+    tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp, mode=0o700)
     try:
-        _write_json(os.path.join(tmp, "manifest.json"), manifest_to_json(store.manifest))
-        _write_json(os.path.join(tmp, "state.json"),
-                    {"format": FORMAT, "step": store.step, "versions": store.versions,
-                     "manifest_hash": store.manifest_hash, **extra})
+        sums = {"manifest.json": _write_json(os.path.join(tmp, "manifest.json"),
+                                             manifest_to_json(store.manifest)),
+                "state.json": _write_json(os.path.join(tmp, "state.json"), {
+                    "format": FORMAT, "step": store.step, "versions": store.versions,
+                    "manifest_hash": store.manifest_hash, **extra})}
         master, opt_state = [], []
         for plan in store.layout.layers:
             for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
                 master.append((f"{plan.name}/{slot.name}", view))
             for key, t in optimizers[plan.index].state_tensors().items():
                 opt_state.append((f"{plan.name}/{key}", t))
-        write_safetensors(os.path.join(tmp, "master.safetensors"), master)
-        write_safetensors(os.path.join(tmp, "optimizer.safetensors"), opt_state)
+        for file, tensors in (("master.safetensors", master), ("optimizer.safetensors",
+                                                               opt_state)):
+            path = os.path.join(tmp, file)
+            write_safetensors(path, tensors)
+            sums[file] = {"sha256": layout_on_disk.sha256_file(path),
+                          "size": os.path.getsize(path)}
+        _write_json(os.path.join(tmp, layout_on_disk.CHECKSUMS), sums)
         _fsync_dir(tmp)
-        old = f"{path}.old-{os.getpid()}"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(os.path.dirname(path))
+        final = os.path.join(root, name)
+        os.replace(tmp, final)
+        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    pointer = os.path.join(root, f".{layout_on_disk.LATEST}.tmp-{os.getpid()}")
+    with open(pointer, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(root, layout_on_disk.LATEST))
+    _fsync_dir(root)
+    _prune(root, name, keep)
+    return final
+
+
+def _new_name(root: str, base: str) -> str:
+    """``base``, or ``base-N`` after every earlier checkpoint of the same step in ``root``
+    (names are never reused)."""
+    seen = [-1]
+    for n in os.listdir(root):
+        if n == base:
+            seen.append(0)
+        elif n.startswith(base + "-") and n[len(base) + 1:].isdigit():
+            seen.append(int(n[len(base) + 1:]))
+    k = max(seen) + 1
+    return f"{base}-{k}" if k else base
+
+
+def _prune(root: str, current: str, keep: int) -> None:
+    """Keep the ``keep`` most recently written checkpoints (``current`` among them); remove
+    the others and what an interrupted writer left."""
+    entries = os.listdir(root)
+    for n in entries:
+        if n.startswith(".") and ".tmp-" in n:
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    done = [n for n in entries if n.startswith(layout_on_disk.PREFIX)
+            and os.path.isdir(os.path.join(root, n))]
+    done.sort(key=lambda n: os.path.getmtime(os.path.join(root, n)), reverse=True)
+    others = [n for n in done if n != current]
+    kept = {current, *others[:keep - 1]}
+    for n in done:
+        if n not in kept:
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:
@@ -98,19 +145,11 @@ class Loaded:
     state: dict
 
 
-def resolve(path: str) -> str:
-    """The checkpoint directory to read: ``path`` or, after a crash mid-rename, its .old twin."""
-    if os.path.isfile(os.path.join(path, "state.json")):
-        return path
-    olds = sorted(glob.glob(f"{glob.escape(path)}.old-*"))
-    for old in olds:
-        if os.path.isfile(os.path.join(old, "state.json")):
-            return old
-    raise FileNotFoundError(f"no checkpoint at {path}")
-
-
 def read_meta(path: str) -> Loaded:
-    path = resolve(path)
+    """The checkpoint at ``path`` (a root's latest, or a checkpoint directory), its files
+    checked against their checksums: a damaged one is refused naming the file."""
+    path = layout_on_disk.resolve(path)
+    layout_on_disk.verify(path)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = manifest_from_json(json.load(f))
     with open(os.path.join(path, "state.json")) as f:
@@ -125,18 +164,18 @@ def read_meta(path: str) -> Loaded:
 def load_into(loaded: Loaded, store, optimizers) -> None:
     """Fill the store's master and the optimizers' state from a checkpoint."""
     layout = plan_layout(loaded.manifest)
-    with safe_open(os.path.join(loaded.path, "master.safetensors"), framework="pt") as f:
-        for plan in layout.layers:
-            for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
-                t = f.get_tensor(f"{plan.name}/{slot.name}")
-                if tuple(t.shape) != slot.shape:
-                    raise ValueError(f"checkpoint tensor {plan.name}/{slot.name} has shape "
-                                     f"{tuple(t.shape)}, expected {slot.shape}")
-                view.copy_(t)
-    with safe_open(os.path.join(loaded.path, "optimizer.safetensors"), framework="pt") as f:
-        by_layer: dict[str, dict[str, torch.Tensor]] = {}
-        for key in f.keys():
-            layer, _, name = key.partition("/")
-            by_layer.setdefault(layer, {})[name] = f.get_tensor(key)
+    f = SafetensorsFile(os.path.join(loaded.path, "master.safetensors"))
+    for plan in layout.layers:
+        for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
+            t = f.get(f"{plan.name}/{slot.name}")
+            if tuple(t.shape) != slot.shape:
+                raise ValueError(f"checkpoint tensor {plan.name}/{slot.name} has shape "
+                                 f"{tuple(t.shape)}, expected {slot.shape}")
+            view.copy_(t)
+    f = SafetensorsFile(os.path.join(loaded.path, "optimizer.safetensors"))
+    by_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for key in f.keys():
+        layer, _, name = key.partition("/")
+        by_layer.setdefault(layer, {})[name] = f.get(key)
     for plan in layout.layers:
         optimizers[plan.index].load_state_tensors(by_layer.get(plan.name, {}))

@@ -108,10 +108,13 @@ class ServerConfig:
     load: str = ""
     """Checkpoint directory to resume from (manifest, master, optimizer state, step)."""
     save: str = field(default="", metadata={"flag": "--server-save"})
-    """Checkpoint directory written when the server exits cleanly (and every
-    checkpoint_every steps)."""
+    """Checkpoint root: a checkpoint is written under it when the server exits cleanly (and
+    every --checkpoint-every steps); --load takes the root (its latest) or one checkpoint."""
     checkpoint_every: int = 0
     """Also checkpoint to --server-save every N completed steps (0: only at exit)."""
+    keep_checkpoints: int = 1
+    """Checkpoints kept under --server-save: the newest K (older ones are removed once a newer
+    one is complete)."""
     exit_when_done: bool = False
     """Exit once all world_size workers said Bye(done=True) and the last updates are in."""
     trace: str = ""
@@ -133,6 +136,8 @@ class ServerConfig:
             raise ValueError("update must be eager or deferred")
         if not self.loss_scale > 0 or self.loss_scale_window < 1:
             raise ValueError("loss_scale must be > 0 and loss_scale_window >= 1")
+        if self.keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints must be >= 1")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.save):
             raise ValueError("checkpoint_every needs a save path (--server-save)")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):

@@ -185,7 +185,8 @@ class UpdateScheduler:
         path, ticket = self._saves[0]
         target = self._hold_from
         optimizers = [m.optimizer for m in self.engines.layers]
-        write = partial(checkpoint.save, path, self.store, optimizers, self.checkpoint_extra())
+        write = partial(checkpoint.save, path, self.store, optimizers, self.checkpoint_extra(),
+                        self.cfg.keep_checkpoints)
         self.engines.exclusive(Exclusive(write, f"checkpoint {target}", (ticket, path, target)))
 
     def _saved(self, done: Done) -> list:
@@ -213,5 +214,5 @@ class UpdateScheduler:
                         max(self.versions), len(self.pending))
             return
         checkpoint.save(path, self.store, [m.optimizer for m in self.engines.layers],
-                        self.checkpoint_extra())
+                        self.checkpoint_extra(), self.cfg.keep_checkpoints)
         log.info("final checkpoint of step %d written to %s", self.store.step, path)

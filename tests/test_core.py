@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import secrets
 import threading
@@ -357,7 +358,10 @@ def test_save_holds_the_next_step_until_written(make, tmp_path):
     h.push(0, 0, 0, grad_of(0, 1.0), 21)
     h.poll()  # layer 0 reaches 1: the boundary; the checkpoint is written
     assert isinstance(h.take(0, 20).msg, Ack)
-    state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    from protocol.checkpoints import resolve
+
+    state = json.loads(open(os.path.join(resolve(str(tmp_path / "ckpt")),
+                                         "state.json")).read())
     assert state["step"] == 1 and state["versions"] == [1, 1, 1]
 
 

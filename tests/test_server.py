@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from protocol import codec
+from protocol.checkpoints import resolve
 from protocol.messages import PROTOCOL_VERSION, Bye, Fetch, PushGrad, SetHyper, Status
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
@@ -241,7 +242,7 @@ def test_bye_needs_the_peers_own_rank(client, tmp_path):
     bootstrap(client)
     refused(lambda: client.call(Bye, rank=3, done=True), "bad_request", "rank")
     client.save(str(tmp_path / "ckpt"))  # over ipc, control requests are this user's
-    assert (tmp_path / "ckpt" / "master.safetensors").exists()
+    assert os.path.exists(os.path.join(resolve(str(tmp_path / "ckpt")), "master.safetensors"))
 
 
 def test_control_over_tcp_needs_a_worker(cluster, tmp_path):
@@ -292,4 +293,4 @@ def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(client, tmp_pa
     assert (precious / "notes.txt").read_text() == "keep me"
     client.save(str(tmp_path / "ckpt"))
     client.save(str(tmp_path / "ckpt"))  # a checkpoint is replaced by the next one
-    assert (tmp_path / "ckpt" / "state.json").exists()
+    assert os.path.exists(os.path.join(resolve(str(tmp_path / "ckpt")), "state.json"))

@@ -4,11 +4,13 @@ is independent of how the minibatch is split, learns, and resumes exactly from a
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from protocol.checkpoints import resolve
 from worker.config import ModelConfig
 from worker.models import build_model
 
@@ -65,7 +67,7 @@ def test_resume_reproduces_an_uninterrupted_run(cluster, tmp_path):
     first = tmp_path / "first.safetensors"
     cluster.run_job(1, *SMALL, "--steps", "3", "--save", str(first),
                     server_args=("--server-save", str(ckpt)))
-    assert json.loads((ckpt / "state.json").read_text())["step"] == 3
+    assert json.loads(open(os.path.join(resolve(str(ckpt)), "state.json")).read())["step"] == 3
     cluster.close()
     resumed = tmp_path / "resumed.safetensors"
     cluster.run_job(1, *SMALL, "--steps", "6", "--save", str(resumed),
@@ -100,7 +102,7 @@ def test_final_checkpoint_holds_the_last_step(cluster, tmp_path, update):
     ckpt = tmp_path / "ckpt"
     cluster.run_job(2, *SMALL, "--steps", "3",
                     server_args=("--server-save", str(ckpt), "--update", update))
-    state = json.loads((ckpt / "state.json").read_text())
+    state = json.loads(open(os.path.join(resolve(str(ckpt)), "state.json")).read())
     assert state["step"] == 3 and set(state["versions"]) == {3}
     assert "mid-step" not in cluster.log(cluster.server)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from safetensors import safe_open
 
-from protocol import cli
+from protocol import checkpoints, cli
 from protocol.tensors import manifest_difference, manifest_from_json, plan_layout
 
 from .config import ModelConfig
@@ -41,7 +41,11 @@ class ExportArgs:
 
 
 def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
-    """Write the checkpoint's weights with ``mcfg``'s model; returns the checkpoint's step."""
+    """Write the checkpoint's weights with ``mcfg``'s model; returns the checkpoint's step.
+    ``checkpoint``: a root (its latest) or one checkpoint directory, checked against its
+    checksums."""
+    checkpoint = checkpoints.resolve(checkpoint)
+    checkpoints.verify(checkpoint)
     with open(os.path.join(checkpoint, "manifest.json")) as f:
         saved = manifest_from_json(json.load(f))
     with open(os.path.join(checkpoint, "state.json")) as f:

@@ -1,0 +1,79 @@
+"""Where EPS checkpoints live on disk, and how a reader knows one is whole (shared: the EPS
+writes them, ``l2l-export`` reads them).
+
+A checkpoint *root* (``--server-save DIR``) holds one directory per checkpoint and a pointer to
+the newest complete one:
+
+    DIR/step-00000042/   manifest.json, state.json, master.safetensors, optimizer.safetensors,
+                         checksums.json (sha256 and size of every other file)
+    DIR/latest           "step-00000042": replaced atomically once that directory is complete
+
+A checkpoint directory is written under a temporary name and renamed when every file is
+written and fsynced; ``latest`` moves only then; older ones beyond ``--keep-checkpoints`` are
+removed after that. Killing the writer at any moment leaves the previous checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+LATEST = "latest"
+CHECKSUMS = "checksums.json"
+PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def is_root(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, LATEST)) or any(
+        n.startswith(PREFIX) and os.path.isdir(os.path.join(path, n))
+        for n in os.listdir(path))
+
+
+def resolve(path: str) -> str:
+    """The checkpoint directory ``path`` names: itself (a checkpoint directory) or the one a
+    root's ``latest`` points to."""
+    if os.path.isfile(os.path.join(path, "state.json")):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        if not name.startswith(PREFIX) or "/" in name:
+            raise ValueError(f"{latest}: not a checkpoint name ({name!r})")
+        return os.path.join(path, name)
+    raise FileNotFoundError(f"no checkpoint at {path} (no state.json, no {LATEST})")
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(directory: str) -> None:
+    """Raise ValueError naming the first file of ``directory`` that is missing, truncated or
+    changed since it was written (checksums.json), or if there are no checksums at all."""
+    listed = os.path.join(directory, CHECKSUMS)
+    try:
+        with open(listed) as f:
+            sums = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{listed}: missing; the checkpoint is incomplete") from None
+    except ValueError as e:
+        raise ValueError(f"{listed}: damaged ({e})") from None
+    for name, want in sums.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: missing")
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            raise ValueError(f"{path}: {size} bytes, {want['size']} were written (truncated?)")
+        if sha256_file(path) != want["sha256"]:
+            raise ValueError(f"{path}: checksum mismatch (damaged)")
