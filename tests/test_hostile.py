@@ -1,0 +1,177 @@
+"""Hostile input, fixed at the root: each finding of the live-server fuzz and load test as a
+test that failed before its fix."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+import torch
+
+from protocol import codec
+from protocol.messages import Fetch, GradAck, Hello, LayerReady, SetHyper, Status
+from worker.eps_client import EpsClient
+
+from .test_core import Harness, error, grad_of
+from .test_server import bootstrap, raw_socket
+
+
+def test_a_body_over_its_kinds_limit_is_refused_unread():
+    """Before: one 63 MiB body of nested empty arrays drove the server to 9.7 GB. A Fetch
+    needs well under 1 KiB: a larger body is refused before it is unpacked."""
+    nested = msgpack.packb([[] for _ in range(1 << 20)])  # 1 MiB of empty arrays
+    with pytest.raises(codec.DecodeError, match="exceeds its limit of 4096"):
+        codec.decode([bytes((Fetch.KIND,)), nested])
+    big = msgpack.packb({"req_id": 1, "changes": {f"k{i}": i for i in range(1 << 20)}})
+    with pytest.raises(codec.DecodeError, match="exceeds its limit"):  # before: 7.9 s
+        codec.decode([bytes((SetHyper.KIND,)), big])
+
+
+def test_a_body_that_decodes_to_too_many_objects_is_refused_with_little_memory():
+    """A Hello may be large (a manifest) but not decode to millions of objects: 3 MiB of empty
+    arrays stop at the object cap, using a few times the body's size."""
+    bomb = msgpack.packb({"req_id": 3, "protocol_version": 2,
+                          "x": [[[]] * 700_000 for _ in range(4)]})
+    assert len(bomb) < Hello.BODY_LIMIT
+    tracemalloc.start()
+    try:
+        with pytest.raises(codec.DecodeError, match="more than 262144 arrays and maps") as e:
+            codec.decode([bytes((Hello.KIND,)), bomb])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * len(bomb), peak
+    assert e.value.req_id == 3  # still answerable
+
+
+def test_a_manifest_bomb_is_refused():
+    """Before: a 48 MB Hello with a 1M-layer manifest held the loop 35 s at 2 GB."""
+    layers = [{"name": f"l{i}", "kind": "k", "tensors": [{"name": "w", "shape": [1]}]}
+              for i in range(200_000)]
+    body = msgpack.packb({"req_id": 1, "protocol_version": 2, "rank": 0, "world_size": 1,
+                          "manifest_hash": "x", "manifest": {"layers": layers}})
+    with pytest.raises(codec.DecodeError):
+        codec.decode([bytes((Hello.KIND,)), body])
+
+
+@pytest.fixture
+def make():
+    made = []
+
+    def factory(*args, **kw):
+        made.append(Harness(*args, **kw))
+        return made[-1]
+
+    yield factory
+    for h in made:
+        h.close()
+
+
+def test_waiting_requests_per_connection_are_bounded(make):
+    """Before: 100,000 waiting Fetches from one peer added 245 MB and delayed everyone by 5 s.
+    Now a connection has at most --peer-requests waiting; the rest are refused as busy (not
+    stored), the others are served as before, and a Bye releases what waited."""
+    h = make(2, peer_requests=16)
+    h.bootstrap()
+    for i in range(40):
+        h.send(1, Fetch(req_id=1000 + i, layer=i % 3, min_version=1))
+    replies = [h.take(1, 1000 + i) for i in range(40)]
+    assert sum(r is None for r in replies) == 16  # waiting
+    assert all(error(r).code == "busy" for r in replies if r is not None)
+    assert h.core.stats.busy_refusals == 24
+    h.send(0, Fetch(req_id=7, layer=0, min_version=0))
+    assert isinstance(h.take(0, 7).msg, LayerReady)  # another rank is served at once
+    h.push(0, 0, 2, grad_of(2, 1.0), 8)
+    h.poll()
+    assert isinstance(h.take(0, 8).msg, GradAck)
+    from protocol.messages import Bye
+
+    h.send(1, Bye(req_id=9, rank=1, done=False))
+    gone = [h.take(1, 1000 + i) for i in range(40)]
+    assert sum(r is not None and error(r).code == "bad_request" for r in gone) == 16
+    assert not h.core.waiting._by_peer  # nothing is kept for the connection
+
+
+def test_finite_gradients_whose_sum_overflows_are_refused(make):
+    """Before: two finite gradients of 3e38 summed to inf and layer 2 became -inf silently."""
+    h = make(2)
+    h.bootstrap()
+    h.push(0, 0, 2, grad_of(2, 3e38), 10)
+    h.push(1, 0, 2, grad_of(2, 3e38), 11)
+    h.poll()
+    assert isinstance(h.take(0, 10).msg, GradAck)
+    e = error(h.take(1, 11))
+    assert "is not finite" in e.message and "left as it was" in e.message
+    assert h.core.store.versions[2] == 0 and h.core.broken
+    assert torch.equal(h.core.store.master(2), torch.ones(h.core.store.plan(2).numel))
+
+
+def test_a_full_shared_memory_is_a_resource_error(make, monkeypatch):
+    """An environment failure is a clear error, never "internal"."""
+    h = make(1)
+    h.bootstrap()
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    reply = h.hello(0, req_id=30, transport="shm")
+    assert reply.code == "resource" and "cannot create gradient slots" in reply.message
+
+
+def test_region_names_cannot_be_taken_first(cluster):
+    """Before: another user could create l2l-<run>-grads-r1-float32 first and make rank 1's
+    Hello fail with "internal: File exists". Every region name now ends with a random part."""
+    cluster.start_server(1)  # regions are made at the first Hello: squat in between
+    squat = f"/dev/shm/l2l-{cluster.run_id}-grads-r0-float32"
+    with open(squat, "w"):
+        pass
+    try:
+        c = EpsClient(cluster.endpoint, timeout=20)
+        try:
+            welcome = bootstrap(c, "shm")
+            assert welcome.grads.name.startswith(f"l2l-{cluster.run_id}-grads-r0-float32-")
+        finally:
+            c.close()
+    finally:
+        if os.path.exists(squat):
+            os.unlink(squat)
+
+
+def test_replies_a_peer_does_not_read_are_counted_not_dropped_silently(server):
+    """Before: replies past the socket's high-water mark were dropped without a trace."""
+    flood = raw_socket(server.endpoint)
+    for i in range(5000):
+        flood.send_multipart(codec.encode(Status(req_id=i + 1)))
+    c = EpsClient(server.endpoint, timeout=20)
+    try:
+        deadline = time.monotonic() + 30
+        while c.status().stats["replies_dropped"] == 0:
+            assert time.monotonic() < deadline, "no reply was reported dropped"
+            time.sleep(0.2)
+    finally:
+        c.close()
+        flood.close()
+
+
+def test_clients_refuse_an_ipc_directory_others_can_enter(tmp_path):
+    """Before: a worker connected into a 0777 directory and sent its Hello to whoever
+    listened there."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    assert stat.S_IMODE(os.stat(open_dir).st_mode) == 0o777
+    with pytest.raises(ValueError, match="must be owned by this user with mode 0700"):
+        EpsClient(f"ipc://{open_dir}/eps.sock")
+
+
+@pytest.fixture
+def server(cluster):
+    cluster.start_server(1)
+    return cluster
+
