@@ -22,6 +22,7 @@ from protocol import codec
 from protocol.endpoints import check_bind, remove_ipc
 from protocol.events import EventWriter, Ready, ServerStats
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
+from protocol.shm import RunLock, remove_orphans
 from protocol.trace import Tracer
 
 from . import checkpoint
@@ -50,6 +51,7 @@ class EpsServer:
         self._core_kw = {"stats": self.stats, "wake": self._wake, "tracer": self.tracer}
         self.lobby = Lobby(cfg, self.run_id, **self._core_kw)
         self._lobby = asyncio.Lock()
+        self._lock: RunLock | None = None
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -68,6 +70,13 @@ class EpsServer:
         if self.cfg.save:
             checkpoint.check_target(self.cfg.save)  # refuse before training, not after
         check_bind(self.cfg.endpoint)
+        self._lock = RunLock(self.run_id)  # before any region: ours are never "orphaned"
+        if stale := self._lock.remove_stale():
+            log.warning("removed %d shared-memory regions left by an earlier server of run %s",
+                        len(stale), self.run_id)
+        for run, (count, size) in remove_orphans().items():
+            log.warning("removed %d shared-memory regions (%.1f MiB) of run %s, left by a "
+                        "server that is gone", count, size / 2**20, run)
         if self.cfg.load:
             self.core = await asyncio.to_thread(load_core, self.cfg, self.cfg.load,
                                                 self.run_id, **self._core_kw)
@@ -110,6 +119,9 @@ class EpsServer:
         if core is not None:
             core.close()
             stats = core.status_stats()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         self.tracer.close()
         return stats
 

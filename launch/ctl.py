@@ -4,6 +4,7 @@
     l2l-ctl [--endpoint E] set lr=1e-4 clip_norm=1.0
                                                   change hyperparameters from the next update
     l2l-ctl [--endpoint E] save DIR               checkpoint at the next step boundary
+    l2l-ctl cleanup [--dry-run]                   remove shared memory left by dead servers
 
 Control requests are accepted over the server's ipc socket (its directory is readable only by
 the server's user); over tcp only a registered worker may send them.
@@ -18,6 +19,7 @@ import sys
 
 from protocol.endpoints import default_endpoint
 from protocol.messages import Save, SetHyper
+from protocol.shm import orphaned, remove_orphans
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
 
 
@@ -41,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("changes", nargs="+", metavar="KEY=VALUE")
     v = sub.add_parser("save")
     v.add_argument("path")
+    c = sub.add_parser("cleanup", help="remove this user's shared-memory regions whose "
+                       "eps-server is gone (a live server's regions are never touched)")
+    c.add_argument("--dry-run", action="store_true", help="only list them")
     a = p.parse_args(argv)
+    if a.command == "cleanup":
+        return cleanup(a.dry_run)
     try:
         client = EpsClient(a.endpoint, timeout=a.timeout)
     except ValueError as e:
@@ -69,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.close()
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def cleanup(dry_run: bool) -> int:
+    if dry_run:
+        out = {run: names for run, names in orphaned().items()}
+    else:
+        out = {run: {"regions": n, "bytes": size} for run, (n, size) in remove_orphans().items()}
     print(json.dumps(out, indent=1))
     return 0
 

@@ -154,3 +154,124 @@ def unlink_prefix(prefix: str) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+class RunLock:
+    """Held by an EPS for as long as it runs: an exclusive flock on ``l2l-<run>-lock`` in
+    /dev/shm (the kernel drops it when the process dies, however it dies). The file outlives
+    a killed server, so regions of a run whose lock file exists but is free were left by a dead
+    server and may be removed (``orphaned``); a clean exit removes the file last."""
+
+    def __init__(self, run_id: str):
+        self.path = _lock_path(run_id)
+        self._fd: int | None = _try_lock(self.path, create=True)
+        if self._fd is None:
+            raise ValueError(f"run id {run_id!r} is in use by a running eps-server")
+
+    def remove_stale(self) -> list[str]:
+        """Remove regions of this run id left by an earlier server of the same id that died
+        (none can be a live server's: we hold the lock). Call before creating any."""
+        lock = os.path.basename(self.path)
+        return _unlink(list_regions(lock[: -len("lock")]), keep=lock)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+
+
+def _lock_path(run_id: str) -> str:
+    return os.path.join(SHM_DIR, check_name(f"l2l-{run_id}-lock"))
+
+
+def _try_lock(path: str, create: bool) -> int | None:
+    """An fd holding an exclusive flock on ``path``, or None if a live process holds it (or,
+    with ``create`` False, if there is no such file)."""
+    import fcntl
+
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:  # the file may have been removed (a cleanup) between open and flock
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+        if not create:
+            return None
+
+
+def _unlink(names: list[str], keep: str) -> list[str]:
+    """Unlink this user's regions among ``names`` but ``keep``; others' are left alone."""
+    removed = []
+    for name in names:
+        try:
+            if name != keep and os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
+                _posixshmem.shm_unlink("/" + name)
+                removed.append(name)
+        except (FileNotFoundError, PermissionError):
+            pass
+    return removed
+
+
+def _runs() -> dict[str, list[str]]:
+    """{run id: names of its regions} for this user's ``l2l-<run>-...`` regions."""
+    runs: dict[str, list[str]] = {}
+    for name in list_regions("l2l-"):
+        parts = name.split("-")
+        try:
+            if len(parts) >= 3 and os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
+                runs.setdefault(parts[1], []).append(name)
+        except FileNotFoundError:
+            pass
+    return runs
+
+
+def orphaned() -> dict[str, list[str]]:
+    """{run id: its region names} of this user's runs whose server is gone: the run's lock file
+    exists and no live process holds it. Regions without a lock file are never judged."""
+    dead = {}
+    for run, names in _runs().items():
+        fd = _try_lock(_lock_path(run), create=False)
+        if fd is not None:
+            os.close(fd)
+            dead[run] = names
+    return dead
+
+
+def remove_orphans() -> dict[str, tuple[int, int]]:
+    """Remove what ``orphaned`` finds, holding each dead run's lock while its regions go (so a
+    new server of the same run id cannot start in between); {run id: (regions, bytes)}."""
+    out = {}
+    for run, names in _runs().items():
+        lock = _lock_path(run)
+        fd = _try_lock(lock, create=False)
+        if fd is None:
+            continue
+        try:
+            size = 0
+            for name in names:
+                try:
+                    size += os.path.getsize(os.path.join(SHM_DIR, name))
+                except OSError:
+                    pass
+            out[run] = (len(_unlink(names, keep=os.path.basename(lock))), size)
+            try:
+                os.unlink(lock)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(fd)
+    return out
