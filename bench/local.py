@@ -53,6 +53,12 @@ class LocalSource:
     def loss_scale(self, version: int) -> float:
         return 1.0
 
+    def tick(self) -> None:
+        pass
+
+    def redo(self, step: int, layers) -> None:
+        pass  # nothing is pushed twice in-process
+
     def stash_arena(self, nbytes: int):
         raise RuntimeError("the local baseline has no EPS stash")
 

@@ -103,6 +103,13 @@ class ServerConfig:
     peer_requests: int = 256
     """Requests one connection may have waiting for a reply (Fetches of a version not there
     yet, gradients being reduced, checkpoints); more are refused with "busy"."""
+    heartbeat_timeout: float = 10.0
+    """A registered peer that sends nothing (workers send a Heartbeat every timeout/4) for
+    this many seconds is declared dead: its rank is freed for a replacement."""
+    recovery: bool = False
+    """Keep the previous version of every layer updated during a step that some worker has
+    not finished, so a worker replacing a dead one redoes that step exactly (+4 bytes per
+    parameter of shared memory in fp32, +2 in bf16/fp16; l2l-launch --max-restarts sets it)."""
     run_id: str = ""
     """Names this run's shared-memory regions (l2l-<run_id>-...); random when empty."""
     load: str = ""
@@ -140,6 +147,8 @@ class ServerConfig:
             raise ValueError("keep_checkpoints must be >= 1")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.save):
             raise ValueError("checkpoint_every needs a save path (--server-save)")
+        if not 0.1 <= self.heartbeat_timeout <= 86400:
+            raise ValueError("heartbeat_timeout must be in [0.1, 86400] seconds")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
 

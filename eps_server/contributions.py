@@ -51,6 +51,13 @@ class Contributions:
         """Undo a claim whose gradient was refused before it was added."""
         self._claims[layer].discard(rank)
 
+    def has(self, layer: int, rank: int) -> bool:
+        """``rank``'s part of ``layer`` for the current step is in (or being reduced)."""
+        return rank in self._claims[layer]
+
+    def skips_early(self, layer: int, rank: int) -> bool:
+        return rank in self._early[layer]
+
     def all_claimed(self, layer: int) -> bool:
         return len(self._claims[layer]) == self.world_size
 

@@ -7,13 +7,15 @@ Fetch's LayerReady once an update published its version, a Save's Ack). Tests dr
 in-process the same way, with inline engines. A gradient: handle(PushGrad) -> engines: Reduce
 -> poll: GradAck; the last part -> scheduler -> engines: Update -> poll: Publish(l, t+1).
 The model exists from construction (lobby.py makes the core). A bad request gets an Error
-and changes nothing.
+and changes nothing. Every request marks its peer alive; ``expire()``, called periodically,
+declares peers silent for the heartbeat timeout dead (peers.py) and frees their ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Callable
 
 from protocol.messages import (
@@ -22,6 +24,7 @@ from protocol.messages import (
     ArenaReady,
     Bye,
     Fetch,
+    Heartbeat,
     Hello,
     HyperAck,
     InitLayer,
@@ -56,7 +59,7 @@ class EpsCore:
     def __init__(self, cfg: ServerConfig, store: LayerStore, *, run_id: str,
                  initialiser: int | None = None, stats: EpsStats | None = None,
                  wake: Callable[[], None] = lambda: None, inline: bool = False,
-                 tracer: Tracer = NULL):
+                 tracer: Tracer = NULL, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.store, self.run_id = cfg, store, run_id
         self.stats = stats or EpsStats()
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
@@ -64,7 +67,8 @@ class EpsCore:
         self.engines = Engines(store, layer_math(store, cfg.optimizer), cfg.threads,
                                self._on_done, inline=inline, tracer=tracer)
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
-        self.peers = Peers(cfg.world_size)
+        self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)
+        self._lost: list[Peer] = []  # declared dead, not yet reported by expire()
         self.waiting = Waiting(cfg.peer_requests)
         self.initialiser = initialiser  # the rank that sends the initial values
         self.data = DataPlane(cfg, store, self.engines, self.scheduler, self.peers, self.stats,
@@ -74,13 +78,16 @@ class EpsCore:
         self._handlers = {Hello: self._hello, InitLayer: self._init,
                           Fetch: self.data.fetch, PushGrad: self.data.push, Bye: self._bye,
                           StashArena: self._stash_arena, Status: self._status,
-                          SetHyper: self._set_hyper, Save: self._save}
+                          SetHyper: self._set_hyper, Save: self._save,
+                          Heartbeat: self._heartbeat}
 
     # ------------------------------------------------------------------------- entry points
 
-    def handle(self, peer: bytes, msg: Message, frames: list) -> list[Out]:
-        """Handle one decoded request; the replies due now."""
+    def handle(self, peer: bytes, msg: Message, frames: list, key: bytes = b"") -> list[Out]:
+        """Handle one decoded request (``key``: the peer's CURVE public key, if any); the
+        replies due now."""
         handler = self._handlers.get(type(msg))
+        self.peers.seen(peer)
         try:
             if handler is None:
                 raise RequestError("bad_message", f"{type(msg).__name__} is not a request",
@@ -89,7 +96,8 @@ class EpsCore:
                 raise RequestError("internal", f"server stopped updating: {self.broken}")
             if type(msg) not in (Status, Bye):
                 self.waiting.check(peer)
-            outs = handler(peer, msg, frames)
+            outs = (self._hello(peer, msg, key) if type(msg) is Hello
+                    else handler(peer, msg, frames))
         except RequestError as e:
             self.stats.busy_refusals += e.code == "busy"
             outs = [error_out(peer, msg.req_id, e.code, str(e), e.field)]
@@ -149,24 +157,66 @@ class EpsCore:
 
     # ------------------------------------------------------------------------- handshake
 
-    def _hello(self, identity: bytes, msg: Hello, frames) -> list[Out]:
+    def expire(self) -> list[Peer]:
+        """Declare the peers silent for the heartbeat timeout dead (their ranks are free, their
+        waiting Fetches dropped); returns them and those a Hello found dead since."""
+        self._expire()
+        lost, self._lost = self._lost, []
+        return lost
+
+    def _expire(self) -> None:
+        for peer in self.peers.expire():
+            self._gone(peer, f"nothing heard for {self.cfg.heartbeat_timeout:g} s")
+
+    def _gone(self, peer: Peer, why: str) -> None:
+        who = f"rank {peer.rank}" if peer.worker else "observer"
+        log.warning("%s (pid %d) declared dead: %s", who, peer.pid, why)
+        self.data.board.drop(peer.identity)  # nobody reads those replies
+        self.waiting.forget(peer.identity)
+        self._lost.append(peer)
+
+    def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
+        self.peers.get(identity)
+        return [Out(identity, Ack(req_id=msg.req_id))]
+
+    def _hello(self, identity: bytes, msg: Hello, key: bytes) -> list[Out]:
+        if msg.role == "observer":
+            check_hello(self.cfg, msg)
+            self.peers.register(Peer(identity, -1, None, "", msg.pid, key))
+            return [Out(identity, Ack(req_id=msg.req_id))]
         grad_dtype = check_hello(self.cfg, msg)
         check_model(self.store, msg)
+        self._expire()  # a holder silent past the timeout is gone now, not at the next tick
+        # Before any registration: a failure here changes nothing.
+        self.peers.check_free(msg.rank, identity, key)
+        rejoined = msg.rank in self.peers.ever
+        step, pushed = self.data.resume_point(msg.rank)
+        if self.store.retained_region is None and (pushed or max(self.store.versions) > step):
+            raise RequestError("bad_request", f"rank {msg.rank} cannot redo step {step} exactly: "
+                               "its predecessor pushed layers of it, which may be updated while "
+                               "they are read again, and this server keeps no previous "
+                               "versions (start it with --recovery); restart the job from its "
+                               "last checkpoint")
         init_layers = ()
         if msg.rank == self.initialiser:  # a restarted initialiser finishes the job
             init_layers = tuple(i for i, v in enumerate(self.store.versions)
                                 if v < 0 and i not in self.initialising)
-        # Before any registration: a failure here changes nothing.
+        # A replacement gets new gradient slots: the old ones may still be read by reductions.
         transport = make_transport(msg.transport, self.store, msg.rank, grad_dtype,
-                                   self.cfg.grad_slots)
+                                   self.cfg.grad_slots, fresh=rejoined)
         outs = []
-        for old in self.peers.register(Peer(identity, msg.rank, transport, grad_dtype, msg.pid)):
-            outs += self.data.fail_waiters(old, "bad_request", f"rank {msg.rank} was replaced")
-        log.info("hello from rank %d (pid %d, %s, %s)", msg.rank, msg.pid, msg.host,
-                 msg.transport)
+        replaced = self.peers.register(Peer(identity, msg.rank, transport, grad_dtype, msg.pid,
+                                            key))
+        if replaced is not None:
+            outs += self.data.fail_waiters(replaced.identity, "bad_request",
+                                           f"rank {msg.rank} was replaced")
+        log.info("hello from rank %d (pid %d, %s, %s)%s", msg.rank, msg.pid, msg.host,
+                 msg.transport, f": resumes step {step}, {len(pushed)} layers of it pushed "
+                 "already" if rejoined else "")
         return outs + [Out(identity, Welcome(
             req_id=msg.req_id, protocol_version=PROTOCOL_VERSION, run_id=self.run_id,
-            step=max(self.store.step, 0), init_layers=init_layers,
+            step=step, init_layers=init_layers, pushed=pushed, rejoined=rejoined,
+            heartbeat_interval=self.cfg.heartbeat_timeout / 4,
             compute_dtype=self.cfg.compute_dtype, grad_dtype=grad_dtype,
             master=self.store.master_info(), compute=self.store.compute_info(),
             grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_layer_numel,
@@ -174,7 +224,7 @@ class EpsCore:
             **transport.welcome()))]
 
     def _init(self, identity: bytes, msg: InitLayer, frames) -> list[Out]:
-        peer = self.peers.get(identity)
+        peer = self.peers.worker(identity)
         self.data.check_layer(msg.layer)
         if peer.rank != self.initialiser:
             raise RequestError("bad_request", f"rank {peer.rank} is not the initialising worker "
@@ -251,7 +301,7 @@ class EpsCore:
         return [Out(identity, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))]
 
     def _stash_arena(self, identity: bytes, msg: StashArena, frames) -> list[Out]:
-        peer = self.peers.get(identity)
+        peer = self.peers.worker(identity)
         try:
             region = self.store.stash_region(peer.rank, msg.nbytes)
         except OSError as e:
@@ -279,7 +329,7 @@ class EpsCore:
 
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
         peer = self.peers.get(identity)
-        if msg.rank != peer.rank:
+        if peer.worker and msg.rank != peer.rank:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
         self.peers.leave(identity, msg.done)

@@ -4,6 +4,11 @@ waiting for a version, pushes and their reduction, and publishing each layer's n
 A Fetch is answered at once when its version exists, else it waits on the version board. A
 push is checked, claimed for its rank and reduced on the layer's engine; the last part makes the
 layer due for its update (scheduler.py), whose completion publishes the next version.
+
+Recovery (--recovery): an update first copies the version it replaces to the store's retained
+copy, so version v of a layer stays readable until the layer reaches v+2. A worker replacing a
+dead one resumes the step that one was in (``resume_point``): it fetches that step's versions
+(retained where the layer moved on) and pushes only the layers its rank has not pushed yet.
 """
 
 from __future__ import annotations
@@ -44,24 +49,44 @@ class DataPlane:
     # ------------------------------------------------------------------------- weights
 
     def fetch(self, identity: bytes, msg: Fetch, frames=()) -> list[Out]:
-        self.peers.get(identity)
+        peer = self.peers.worker(identity)
         self.check_layer(msg.layer)
-        current = self.store.versions[msg.layer]
-        if msg.min_version > current + 1:
-            raise RequestError("bad_request", f"layer {msg.layer} is at version {current}; "
-                               f"version {msg.min_version} is more than one step ahead",
-                               "min_version")
-        if msg.min_version <= current and self.parts.all_claimed(msg.layer):
-            raise RequestError("bad_request", f"version {current} of layer {msg.layer} is being "
+        layer, want = msg.layer, msg.min_version
+        current = self.store.versions[layer]
+        if want > current + 1:
+            raise RequestError("bad_request", f"layer {layer} is at version {current}; "
+                               f"version {want} is more than one step ahead", "min_version")
+        replaced = want == current and self.parts.all_claimed(layer)  # its update is due
+        if self._retaining(msg):
+            if want < current - 1:
+                raise RequestError("bad_request", f"version {want} of layer {layer} is gone "
+                                   f"(the layer is at version {current})", "min_version")
+            if (want == current and self.parts.has(layer, peer.rank)
+                    and layer not in self.scheduler.updating):
+                # A replacement redoing its step reads a layer its rank pushed: the update may
+                # be sent any time, so it reads a copy, made now while no job rewrites the
+                # layer (the retained version, current-1, is nobody's any more). Once the
+                # update is sent, it waits for it and reads the version it replaced.
+                self.store.retain(layer)
+                return [self._layer_ready(identity, msg, retained=True)]
+        elif want <= current and self.parts.all_claimed(layer):
+            raise RequestError("bad_request", f"version {current} of layer {layer} is being "
                                "replaced: every worker has pushed its gradient", "min_version")
-        if self.board.ready(msg.layer, msg.min_version):
+        if self.board.ready(layer, want) and not replaced:
             return [self._layer_ready(identity, msg)]
-        self.board.wait(Waiter(identity, msg, msg.layer, msg.min_version))
+        self.board.wait(Waiter(identity, msg, layer, want))  # replaced: retained once published
         return []
 
-    def _layer_ready(self, identity: bytes, msg: Fetch) -> Out:
+    def _retaining(self, msg: Fetch) -> bool:
+        """Recovery keeps the previous served version (not the master's)."""
+        return self.store.retained_region is not None and msg.which == "compute"
+
+    def _layer_ready(self, identity: bytes, msg: Fetch, retained: bool = False) -> Out:
         peer, plan, store = self.peers.get(identity), self.store.plan(msg.layer), self.store
-        if msg.which == "master" or store.compute_region is None:
+        version = store.versions[msg.layer]
+        if self._retaining(msg) and (retained or msg.min_version == version - 1):
+            region, dtype, version = store.retained_region, store.compute_dtype, msg.min_version
+        elif msg.which == "master" or store.compute_region is None:
             region, dtype = store.master_region, "float32"
         else:
             region, dtype = store.compute_region, store.compute_dtype
@@ -69,9 +94,29 @@ class DataPlane:
                                                      plan.nbytes(dtype))
         self.stats.fetches += 1
         return Out(identity, LayerReady(
-            req_id=msg.req_id, layer=msg.layer, version=store.versions[msg.layer], region=name,
+            req_id=msg.req_id, layer=msg.layer, version=version, region=name,
             offset=offset, nbytes=plan.nbytes(dtype), dtype=dtype,
             loss_scale=self.scheduler.scaler.scale), out)
+
+    def resume_point(self, rank: int) -> tuple[int, tuple[int, ...]]:
+        """(the step ``rank`` runs next, the layers whose part of it the EPS already has): the
+        first step in which the rank has not contributed every layer. Layers are at most one
+        version apart, and a layer ahead was pushed by every rank."""
+        versions = self.store.versions
+        step = min(versions)
+        if step < 0:
+            return 0, ()
+
+        def contributed(s: int) -> set[int]:
+            return {lay for lay, v in enumerate(versions) if v > s or (
+                v == s and self.parts.has(lay, rank)) or (
+                v == s - 1 and self.parts.skips_early(lay, rank))}
+
+        pushed = contributed(step)
+        if len(pushed) == len(versions):
+            step += 1
+            pushed = contributed(step)
+        return step, tuple(sorted(pushed))
 
     def publish(self, layer: int, version: int) -> list[Out]:
         """``layer`` reached ``version``: answer who waited for it; maybe a step completed."""
@@ -92,7 +137,7 @@ class DataPlane:
     # ------------------------------------------------------------------------- gradients
 
     def push(self, identity: bytes, msg: PushGrad, frames) -> list[Out]:
-        peer = self.peers.get(identity)
+        peer = self.peers.worker(identity)
         self.check_layer(msg.layer)
         if msg.rank != peer.rank:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",

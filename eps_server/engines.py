@@ -285,12 +285,14 @@ class Engines:
                 return self.layers[job.layer].reduce(job.src, job.check_finite)
         if isinstance(job, Update):
             with self.tracer.span(f"update L{job.layer}", "update"):
+                self.store.retain(job.layer)
                 return self.layers[job.layer].update(job)
         if isinstance(job, Measure):
             with self.tracer.span(f"measure L{job.layer}", "update"):
                 return self.layers[job.layer].measure(norm=True, check_finite=True)
         if isinstance(job, Apply):
             with self.tracer.span(f"apply L{job.layer}", "update"):
+                self.store.retain(job.layer)
                 math_ = self.layers[job.layer]
                 if job.divisor is not None:
                     math_.step(job.t, job.divisor, job.cfg)

@@ -6,6 +6,9 @@ random part, ``-<x>``, so nobody can create one first to make the EPS fail):
   l2l-<run>-compute-<x>   compute-precision copy (bf16/fp16 only; with fp32 the master is served)
   l2l-<run>-grads-r<k>-<dtype>-<x>  rank k's gradient slots, ``grad_slots`` x the largest layer
   l2l-<run>-stash-r<k>-<x>  rank k's stash arena (``--stash eps``), sized by the worker
+  l2l-<run>-retained-<x>  (--recovery) each layer's previous served version, copied just
+                          before an update: what a worker replacing a dead one reads to redo
+                          the step it was in, when the layer was already updated in that step
 
 Versions: ``versions[l]`` is the number of optimizer steps applied to layer l (-1 before its
 initial values arrive). Step t of training reads version t of every layer. Layer l is only ever
@@ -30,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class LayerStore:
-    def __init__(self, manifest: Manifest, run_id: str, compute_dtype: str):
+    def __init__(self, manifest: Manifest, run_id: str, compute_dtype: str,
+                 retain: bool = False):
         self.manifest = manifest
         self.manifest_hash = manifest.hash()
         self.layout = plan_layout(manifest)
@@ -46,6 +50,8 @@ class LayerStore:
                 None if compute_dtype == "float32"
                 else self._create("compute", self.layout.nbytes(compute_dtype)))
             self.versions_region = self._create("versions", 8 * len(self.layout.layers))
+            self.retained_region = (self._create("retained", self.layout.nbytes(compute_dtype))
+                                    if retain else None)
         except BaseException:
             self.close()  # no region left behind by a store that could not be made
             raise
@@ -54,6 +60,8 @@ class LayerStore:
         self._master = self.master_region.tensor(torch.float32)
         self._compute = (self._master if self.compute_region is None
                          else self.compute_region.tensor(DTYPES[compute_dtype]))
+        self._retained = (None if self.retained_region is None
+                          else self.retained_region.tensor(DTYPES[compute_dtype]))
 
     def _create(self, suffix: str, nbytes: int) -> Region:
         region = Region.create(f"l2l-{self.run_id}-{suffix}-{secrets.token_hex(4)}", nbytes)
@@ -76,6 +84,17 @@ class LayerStore:
     def compute(self, layer: int) -> torch.Tensor:
         p = self.layout.layers[layer]
         return self._compute[p.offset:p.offset + p.numel]
+
+    @property
+    def served_region(self) -> Region:
+        """The copy workers compute with: the compute copy, or the master in fp32."""
+        return self.compute_region or self.master_region
+
+    def retain(self, layer: int) -> None:
+        """Keep the served version of ``layer`` before an update rewrites it (--recovery)."""
+        if self._retained is not None:
+            p = self.layout.layers[layer]
+            self._retained[p.offset:p.offset + p.numel].copy_(self.compute(layer))
 
     def publish(self, layer: int) -> None:
         """Refresh the compute copy of ``layer`` from its master (no-op for fp32)."""
@@ -114,12 +133,18 @@ class LayerStore:
         return RegionInfo(name=self.compute_region.name, nbytes=self.compute_region.nbytes,
                           dtype=self.compute_dtype)
 
-    def grad_region(self, rank: int, dtype: str, slots: int) -> Region:
+    def retained_info(self) -> RegionInfo | None:
+        r = self.retained_region
+        return None if r is None else RegionInfo(name=r.name, nbytes=r.nbytes,
+                                                 dtype=self.compute_dtype)
+
+    def grad_region(self, rank: int, dtype: str, slots: int, fresh: bool = False) -> Region:
         """Rank's gradient slots; created on first use and kept for a rank that says Hello
-        again (a restarted worker) as long as the dtype agrees."""
+        again as long as the size agrees, unless ``fresh`` (the old one is unlinked; mappings
+        that reductions still read stay valid until they are done)."""
         nbytes = slots * self.layout.max_layer_numel * DTYPES[dtype].itemsize
         region = self._grad_regions.get(rank)
-        if region is not None and region.nbytes != nbytes:
+        if region is not None and (fresh or region.nbytes != nbytes):
             self._grad_regions.pop(rank)
             self._regions.remove(region)
             region.unlink()
@@ -144,10 +169,6 @@ class LayerStore:
         region = self._create(f"stash-r{rank}", nbytes)
         self._stash_regions[rank] = region
         return region
-
-    def grad_slot(self, rank: int, slot: int, dtype: str, numel: int) -> torch.Tensor:
-        region = self._grad_regions[rank]
-        return region.tensor(DTYPES[dtype], slot * self.layout.max_layer_numel, numel)
 
     def close(self) -> None:
         """Unlink and unmap every region (idempotent)."""

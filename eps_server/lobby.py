@@ -37,7 +37,7 @@ log = logging.getLogger("eps_server")
 
 def create_core(cfg: ServerConfig, manifest: Manifest, run_id: str, **kw) -> EpsCore:
     """A core for a new model: every region, or none (e.g. shared memory full)."""
-    store = LayerStore(manifest, run_id, cfg.compute_dtype)
+    store = LayerStore(manifest, run_id, cfg.compute_dtype, retain=cfg.recovery)
     try:
         core = EpsCore(cfg, store, run_id=run_id, **kw)
     except BaseException:

@@ -1,8 +1,17 @@
-"""Who is connected: the registered workers (one per rank) and the checks every Hello passes."""
+"""Who is connected: the registered workers (one per rank) and observers, when each was last
+heard from, and the checks every Hello passes.
+
+A rank is held by one connection. A Hello for a rank another connection holds is refused
+("rank_taken") while that one is alive, i.e. was heard from within the heartbeat timeout;
+once it is silent for longer it is declared dead (``expire``) and the rank is free for a
+replacement. Observers (control clients) hold no rank and evict nobody.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.messages import PROTOCOL_VERSION, Hello
@@ -18,17 +27,25 @@ log = logging.getLogger("eps_server")
 @dataclass
 class Peer:
     identity: bytes  # the ZeroMQ routing identity of its connection
-    rank: int
+    rank: int  # -1: an observer
     transport: object  # transports.ShmTransport | FramesTransport: how tensors move
     grad_dtype: str
     pid: int
+    key: bytes = b""  # its CURVE public key (tcp with authentication), else empty
+    last_seen: float = 0.0
+
+    @property
+    def worker(self) -> bool:
+        return self.rank >= 0
 
 
 class Peers:
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, timeout: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.world_size, self.timeout, self.clock = world_size, timeout, clock
         self._by_identity: dict[bytes, Peer] = {}
         self.done_ranks: set[int] = set()
+        self.ever: set[int] = set()  # ranks held at some time in this run
 
     def get(self, identity: bytes) -> Peer:
         peer = self._by_identity.get(identity)
@@ -36,31 +53,66 @@ class Peers:
             raise RequestError("not_registered", "say Hello first")
         return peer
 
+    def worker(self, identity: bytes) -> Peer:
+        peer = self.get(identity)
+        if not peer.worker:
+            raise RequestError("bad_request", "an observer sends no worker requests")
+        return peer
+
     def __contains__(self, identity: bytes) -> bool:
         return identity in self._by_identity
 
-    def register(self, peer: Peer) -> list[bytes]:
-        """Register ``peer``; returns the identities of older connections of its rank, which
-        are dropped (a restarted worker replaces its predecessor)."""
-        evicted = []
-        for identity, old in list(self._by_identity.items()):
-            if old.rank == peer.rank and identity != peer.identity:
-                log.warning("rank %d reconnected (pid %d replaces pid %d)", peer.rank, peer.pid,
-                            old.pid)
-                del self._by_identity[identity]
-                evicted.append(identity)
+    def seen(self, identity: bytes) -> None:
+        peer = self._by_identity.get(identity)
+        if peer is not None:
+            peer.last_seen = self.clock()
+
+    def holder(self, rank: int) -> Peer | None:
+        return next((p for p in self._by_identity.values() if p.rank == rank), None)
+
+    def expire(self) -> list[Peer]:
+        """Remove and return the peers silent for longer than the timeout (declared dead)."""
+        now = self.clock()
+        dead = [p for p in self._by_identity.values() if now - p.last_seen > self.timeout]
+        for p in dead:
+            del self._by_identity[p.identity]
+        return dead
+
+    def check_free(self, rank: int, identity: bytes, key: bytes) -> Peer | None:
+        """Refuse a Hello for ``rank`` while a live connection holds it, unless the Hello comes
+        over that same connection or with the same CURVE key (a worker that reconnected: the
+        returned holder is replaced). Silent holders are gone already (``expire``)."""
+        old = self.holder(rank)
+        if old is None or old.identity == identity:
+            return None
+        if key and key == old.key:
+            return old
+        raise RequestError("rank_taken", f"rank {rank} is held by a live connection (pid "
+                           f"{old.pid}); a replacement is accepted once it has been silent "
+                           f"for {self.timeout:g} s")
+
+    def register(self, peer: Peer) -> Peer | None:
+        """Register ``peer`` (see ``check_free``); returns the connection it replaced."""
+        old = self.check_free(peer.rank, peer.identity, peer.key) if peer.worker else None
+        if old is not None:
+            log.warning("rank %d reconnected with its key (pid %d replaces pid %d)", peer.rank,
+                        peer.pid, old.pid)
+            del self._by_identity[old.identity]
+        peer.last_seen = self.clock()
         self._by_identity[peer.identity] = peer
-        self.done_ranks.discard(peer.rank)
-        return evicted
+        if peer.worker:
+            self.done_ranks.discard(peer.rank)
+            self.ever.add(peer.rank)
+        return old
 
     def leave(self, identity: bytes, done: bool) -> Peer:
         peer = self._by_identity.pop(identity)
-        if done:
+        if done and peer.worker:
             self.done_ranks.add(peer.rank)
         return peer
 
     def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(p.rank for p in self._by_identity.values()))
+        return tuple(sorted(p.rank for p in self._by_identity.values() if p.worker))
 
     @property
     def all_done(self) -> bool:
@@ -73,6 +125,8 @@ def check_hello(cfg: ServerConfig, msg: Hello) -> str:
     if msg.protocol_version != PROTOCOL_VERSION:
         raise RequestError("protocol_version", version_text(msg.protocol_version),
                            "protocol_version")
+    if msg.role == "observer":
+        return ""
     if msg.world_size != cfg.world_size:
         raise RequestError("bad_request", f"server world size is {cfg.world_size}, worker says "
                            f"{msg.world_size}", "world_size")

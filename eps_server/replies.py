@@ -41,6 +41,10 @@ class Waiting:
         if not any(o.peer == peer and o.msg.req_id == req_id for o in outs):
             self._by_peer.setdefault(peer, set()).add(req_id)
 
+    def forget(self, peer: bytes) -> None:
+        """The peer is gone: its waiting requests are answered to nobody."""
+        self._by_peer.pop(peer, None)
+
     def answered(self, outs: list[Out]) -> list[Out]:
         for o in outs:
             waiting = self._by_peer.get(o.peer)

@@ -60,6 +60,7 @@ class UpdateScheduler:
         self.num_layers = store.num_layers
         self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, cfg.loss_scaling)
         self.pending: set[int] = set()  # layers whose update is due or running
+        self.updating: set[int] = set()  # layers whose Update/Apply job is sent, not done
         self.overflow_steps: set[int] = set()
         self._measured: dict[int, dict[int, LayerStats]] = {}  # deferred: t -> layer -> stats
         self._skipped: dict[int, set[int]] = {}  # deferred: t -> layers every worker skipped
@@ -88,12 +89,17 @@ class UpdateScheduler:
             self._skipped.setdefault(t, set()).add(layer)
             self._collect(layer, t, LayerStats(True, 0.0))
         else:
-            self._when_released(t, partial(self.engines.submit,
+            self._when_released(t, partial(self._rewrite,
                                            Apply(layer, t, None, self.cfg.optimizer)))
 
     def _eager(self, layer: int, t: int) -> None:
-        self.engines.submit(Update(layer, t, self.scaler.scale, self.cfg.loss_scaling,
-                                   self.cfg.optimizer))
+        self._rewrite(Update(layer, t, self.scaler.scale, self.cfg.loss_scaling,
+                             self.cfg.optimizer))
+
+    def _rewrite(self, job: Update | Apply) -> None:
+        """Send a job that rewrites the layer's weights (from now on they may change)."""
+        self.updating.add(job.layer)
+        self.engines.submit(job)
 
     def _when_released(self, t: int, start) -> None:
         """Run ``start`` (an update to t+1) now, or once a checkpoint's hold lifts."""
@@ -117,6 +123,7 @@ class UpdateScheduler:
             self.stats.skipped_updates += 1
         self.stats.updates += 1
         self.pending.discard(job.layer)
+        self.updating.discard(job.layer)
         return [Publish(job.layer, job.t + 1)]
 
     def _collect(self, layer: int, t: int, stats: LayerStats) -> list:
@@ -136,7 +143,7 @@ class UpdateScheduler:
 
         def start() -> None:  # layer 0 first: the next step starts there
             for lay in range(self.num_layers):
-                self.engines.submit(Apply(lay, t, None if lay in skipped else divisor, cfg))
+                self._rewrite(Apply(lay, t, None if lay in skipped else divisor, cfg))
 
         self._when_released(t, start)
         return []

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import time
 
 import torch
 import zmq
@@ -20,7 +21,7 @@ import zmq.asyncio
 
 from protocol import codec
 from protocol.endpoints import check_bind, remove_ipc
-from protocol.events import EventWriter, Ready, ServerStats
+from protocol.events import EventWriter, PeerLost, Ready, ServerStats
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
 from protocol.shm import RunLock, remove_orphans
 from protocol.trace import Tracer
@@ -92,11 +93,13 @@ class EpsServer:
         log.info("listening on %s (run %s, world size %d, %s, %s updates)", self.cfg.endpoint,
                  self.run_id, self.cfg.world_size, self.cfg.precision, self.cfg.update)
         receiver = asyncio.create_task(self._receive())
+        watchdog = asyncio.create_task(self._watch_peers())
         try:
             await self._stop.wait()
         finally:
             receiver.cancel()
-            await asyncio.gather(receiver, return_exceptions=True)
+            watchdog.cancel()
+            await asyncio.gather(receiver, watchdog, return_exceptions=True)
             core, self.core = self.core, None  # taken on the loop: no poll touches it again
             if self._poller is not None:
                 await asyncio.gather(self._poller, return_exceptions=True)
@@ -135,6 +138,19 @@ class EpsServer:
                 self._check_exit()
             except Exception:  # a bug: never stop receiving because of one message
                 log.exception("internal error serving a message")
+
+    async def _watch_peers(self) -> None:
+        """Declare silent peers dead, a few times per heartbeat timeout; the launcher hears of
+        each lost worker (it may stop a hung one and start a replacement)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.heartbeat_timeout / 4))
+            if self.core is None:
+                continue
+            for peer in self.core.expire():
+                if peer.worker:
+                    self.events.emit(PeerLost(rank=peer.rank, pid=peer.pid, silent=round(
+                        time.monotonic() - peer.last_seen, 3)))
+            self._check_exit()
 
     async def _dispatch(self, identity: bytes, frames: list) -> list[Out]:
         self.stats.messages += 1

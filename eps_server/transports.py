@@ -26,17 +26,18 @@ from .layer_store import LayerStore
 class ShmTransport:
     name = "shm"
 
-    def __init__(self, store: LayerStore, rank: int, grad_dtype: str, slots: int):
+    def __init__(self, store: LayerStore, rank: int, grad_dtype: str, slots: int,
+                 fresh: bool = False):
         self.store, self.rank, self.grad_dtype, self.slots = store, rank, grad_dtype, slots
         try:
-            self.grads = store.grad_region(rank, grad_dtype, slots)
+            self.grads = store.grad_region(rank, grad_dtype, slots, fresh)
         except OSError as e:
             raise RequestError("resource", f"cannot create gradient slots: {e}") from None
 
     def welcome(self) -> dict:
         g = self.grads
         return {"grads": RegionInfo(name=g.name, nbytes=g.nbytes, dtype=self.grad_dtype),
-                "versions": self.store.versions_info()}
+                "versions": self.store.versions_info(), "retained": self.store.retained_info()}
 
     def layer_out(self, region: Region, offset: int, nbytes: int) -> tuple[str, int, tuple]:
         """(region name, byte offset, frames) of a LayerReady."""
@@ -49,7 +50,8 @@ class ShmTransport:
             return frame_tensor(frames[0], msg.dtype, plan.numel)
         if not 0 <= msg.slot < self.slots:
             raise RequestError("bad_request", f"slot must be in [0, {self.slots})", "slot")
-        return self.store.grad_slot(self.rank, msg.slot, msg.dtype, plan.numel)
+        return self.grads.tensor(DTYPES[msg.dtype], msg.slot * self.store.layout.max_layer_numel,
+                                 plan.numel)
 
 
 class FramesTransport:
@@ -71,9 +73,11 @@ class FramesTransport:
         return frame_tensor(frames[0], msg.dtype, plan.numel)
 
 
-def make_transport(name: str, store: LayerStore, rank: int, grad_dtype: str, slots: int):
+def make_transport(name: str, store: LayerStore, rank: int, grad_dtype: str, slots: int,
+                   fresh: bool = False):
+    """``fresh``: new gradient slots even if the rank had some (a replacement)."""
     if name == "shm":
-        return ShmTransport(store, rank, grad_dtype, slots)
+        return ShmTransport(store, rank, grad_dtype, slots, fresh)
     return FramesTransport()
 
 

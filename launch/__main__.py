@@ -38,7 +38,7 @@ def build(args: LaunchArgs) -> Launcher:
     endpoint = a.endpoint or f"ipc://{run_dir}/eps.sock"
     py = sys.executable
     server = replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
-                     exit_when_done=True,
+                     exit_when_done=True, recovery=args.server.recovery or a.max_restarts > 0,
                      trace=os.path.join(run_dir, "trace-eps.json") if a.trace else "")
     cli.write_file(ServerArgs(server=server), os.path.join(run_dir, "eps.json"))
     server_argv = [py, "-m", "eps_server", "--config", os.path.join(run_dir, "eps.json"),
@@ -54,7 +54,9 @@ def build(args: LaunchArgs) -> Launcher:
         cli.write_file(WorkerArgs(worker=w, model=args.model, data=args.data), path)
         workers.append([py, "-m", "worker", "--config", path, "--endpoint", endpoint,
                         "--rank", str(rank)])
-    return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, quiet=a.quiet)
+    return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, quiet=a.quiet,
+                    max_restarts=a.max_restarts,
+                    checkpoints=os.path.abspath(server.save) if server.save else "")
 
 
 def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -> dict:
@@ -66,17 +68,17 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
                 ranks.append(json.load(f))
         except (OSError, ValueError):
             pass
-    complete = len(ranks) == n
-    losses = [sum(w["losses"][i] for w in ranks) for i in range(ranks[0]["steps"])] \
-        if complete and ranks else [p["loss"] for p in launcher.progress]
-    accuracy = [sum(w["correct"][i] for w in ranks) / max(1, sum(w["counts"][i] for w in ranks))
-                for i in range(ranks[0]["steps"])] if complete and ranks else []
+    # Per step, from the workers' events (a restarted worker's own summary covers only its
+    # part of the run).
+    progress = sorted(launcher.progress, key=lambda p: p["step"])
+    losses = [p["loss"] for p in progress]
+    accuracy = [p["accuracy"] for p in progress]
     samples = sum(w["samples"] for w in ranks)
     seconds = max((w["seconds"] for w in ranks), default=0.0)
     return {
         "ok": code == 0, "exit_code": code, "failure": launcher.failure,
         "run_id": launcher.run_id, "world_size": n,
-        "steps": len(losses), "first_step": ranks[0]["first_step"] if ranks else None,
+        "steps": len(losses), "first_step": progress[0]["step"] if progress else None,
         "losses": losses, "accuracy": accuracy,
         "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
         "elapsed_seconds": elapsed,
@@ -90,6 +92,8 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
         "model": asdict(args.model),
         "save": os.path.abspath(args.launch.save) if args.launch.save and code == 0 else None,
         "eval": launcher.evals,
+        "restarts": [{k: v for k, v in r.items() if not k.startswith("_")}
+                     for r in launcher.restarts],
         "eps": launcher.eps_stats,
     }
 

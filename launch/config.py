@@ -32,10 +32,16 @@ class LaunchConfig:
     python -m bench.timeline TRACE --png OUT)."""
     quiet: bool = False
     """Hide the children's logs (progress lines and failures are still shown)."""
+    max_restarts: int = 0
+    """Restarts allowed in all: a worker that dies or hangs is started again and redoes its
+    step exactly (this turns on the EPS's --recovery); a dead EPS restarts the job from its
+    last checkpoint (--server-save, --checkpoint-every). 0: any failure fails the job."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("--workers must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError("--max-restarts must be >= 0")
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,15 @@ or any child's failure it stops every child (SIGTERM, then SIGKILL), and removes
 shared memory and socket, so nothing is left behind.
 
 Each child gets a pipe for its typed events (``--events fd:N``, protocol/events.py): the EPS's
-"ready" and final statistics, each worker's steps. The children's stdout and stderr are logs,
-shown with a ``[name]`` prefix (or hidden with --quiet), never parsed.
+"ready", lost workers and final statistics, each worker's joins and steps. The children's stdout
+and stderr are logs, shown with a ``[name]`` prefix (or hidden with --quiet), never parsed.
+
+With ``max_restarts`` N (torchelastic's semantics: N restarts in all), a worker that exits with
+an error, or that the EPS declares dead (a hung one is killed first), is started again with the
+same rank: it rejoins and redoes the step it was in exactly (the EPS runs with --recovery). An
+EPS that dies takes the job down: every worker is stopped and the job starts again from the
+EPS's last checkpoint (--server-save), losing the steps after it. Without restarts, any of
+these fails the job.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol import events
+from protocol.checkpoints import latest_step
 from protocol.lifecycle import ENV as PARENT_ENV
 from protocol.shm import unlink_prefix
 
@@ -37,18 +45,29 @@ class Child:
     name: str
     proc: subprocess.Popen
     threads: list[threading.Thread] = field(default_factory=list)
+    hung: float | None = None  # the EPS declared it dead after this many silent seconds
+
+
+NO_FAULT = ["--fault", ""]  # a replacement never inherits a test's fault
 
 
 class Launcher:
     def __init__(self, server_argv: list[str], worker_argvs: list[list[str]], run_id: str,
-                 run_dir: str, steps: int, quiet: bool = False):
+                 run_dir: str, steps: int, quiet: bool = False, max_restarts: int = 0,
+                 checkpoints: str = ""):
         self.server_argv = server_argv
         self.worker_argvs = worker_argvs
         self.run_id = run_id
         self.run_dir = run_dir
         self.steps = steps
         self.quiet = quiet
+        self.max_restarts = max_restarts
+        self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
+        self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
         self.children: list[Child] = []
+        self.workers: dict[int, Child] = {}
+        self.server: Child | None = None
+        self._lost: list[events.PeerLost] = []
         self.events: dict[int, dict[int, events.StepDone]] = {}  # step -> rank -> event
         self.progress: list[dict] = []
         self.eval_parts: dict[int, dict[int, events.EvalDone]] = {}  # step -> rank -> part
@@ -97,6 +116,11 @@ class Launcher:
                     continue
                 if isinstance(ev, events.Ready):
                     self._ready.set()
+                elif isinstance(ev, events.PeerLost):
+                    with self._lock:
+                        self._lost.append(ev)
+                elif isinstance(ev, events.Joined):
+                    self._on_joined(ev)
                 elif isinstance(ev, events.ServerStats):
                     self.eps_stats = ev.stats
                 elif isinstance(ev, events.StepDone):
@@ -107,6 +131,8 @@ class Launcher:
     def _on_step(self, ev: events.StepDone) -> None:
         with self._lock:
             by_rank = self.events.setdefault(ev.step, {})
+            if len(by_rank) == len(self.worker_argvs):
+                return  # reported already (a rank that redid the step counts once)
             by_rank[ev.rank] = ev
             if len(by_rank) != len(self.worker_argvs):
                 return
@@ -157,48 +183,140 @@ class Launcher:
         self.failure = f"stopped by signal {signal.Signals(signum).name}"
         raise KeyboardInterrupt
 
-    def _run(self) -> int:
-        server = self._spawn("eps", self.server_argv)
+    def _on_joined(self, ev: events.Joined) -> None:
+        with self._lock:
+            pending = [r for r in self.restarts if r.get("rank") == ev.rank
+                       and "rejoined_after" not in r]
+            if not ev.rejoined or not pending:
+                return
+            entry = pending[-1]
+            entry.update(rejoined_after=round(time.monotonic() - entry.pop("_t"), 3),
+                         resumed_step=ev.step, layers_already_pushed=ev.pushed)
+        print(f"l2l-launch: w{ev.rank} rejoined {entry['rejoined_after']:.1f} s later; it "
+              f"redoes step {ev.step + 1} ({ev.pushed} of its layers were pushed already)",
+              file=sys.stderr, flush=True)
+
+    def _start_server(self, extra: list[str] = ()) -> bool:
+        self._ready.clear()
+        self.server = self._spawn("eps", [*self.server_argv, *extra])
         deadline = time.monotonic() + READY_TIMEOUT
         while not self._ready.wait(0.1):
-            if server.proc.poll() is not None:
-                self.failure = f"eps-server exited with status {server.proc.returncode} " \
+            if self.server.proc.poll() is not None:
+                self.failure = f"eps-server exited with status {self.server.proc.returncode} " \
                                "before it was ready"
-                return 1
+                return False
             if time.monotonic() > deadline:
                 self.failure = f"eps-server not ready within {READY_TIMEOUT:.0f} s"
-                return 1
-        workers = [self._spawn(f"w{r}", argv) for r, argv in enumerate(self.worker_argvs)]
+                return False
+        return True
+
+    def _start_workers(self, ranks, replacement: bool) -> None:
+        for r in ranks:
+            self.workers[r] = self._spawn(f"w{r}", self.worker_argvs[r] +
+                                          (NO_FAULT if replacement else []))
+
+    def _may_restart(self, what: str) -> bool:
+        if len(self.restarts) < self.max_restarts:
+            return True
+        self.failure = what if not self.max_restarts else \
+            f"{what}; no restarts left (--max-restarts {self.max_restarts})"
+        return False
+
+    def _completed(self) -> int:
+        """Steps every worker has reported."""
+        n = len(self.worker_argvs)
+        return max((s + 1 for s, by_rank in self.events.items() if len(by_rank) == n),
+                   default=0)
+
+    def _run(self) -> int:
+        if not self._start_server():
+            return 1
+        self._start_workers(range(len(self.worker_argvs)), replacement=False)
         server_gone: float | None = None
         while True:
-            codes = [w.proc.poll() for w in workers]
-            failed = [(w.name, c) for w, c in zip(workers, codes) if c not in (None, 0)]
-            if failed:
-                self.failure = ", ".join(f"{n} exited with status {c}" for n, c in failed)
-                return 1
-            if all(c == 0 for c in codes):
-                break
-            code = server.proc.poll()
-            if code is not None:
-                # A clean server exit is expected once every worker said Bye (the workers are
-                # then only closing); a failed one, or workers that never exit, is a failure.
-                if code != 0:
-                    self.failure = f"eps-server exited with status {code} while workers ran"
+            code = self.server.proc.poll()  # first: its workers fail when it is gone
+            if code not in (None, 0):
+                what = f"eps-server exited with status {code} while workers ran"
+                if not self._may_restart(what) or not self._restart_job(what):
                     return 1
+                server_gone = None
+                continue
+            if not self._check_workers():
+                return 1
+            if all(w.proc.poll() == 0 for w in self.workers.values()):
+                break
+            if code == 0:
+                # A clean server exit is expected once every worker said Bye (the workers are
+                # then only closing); workers that never exit are a failure.
                 server_gone = server_gone or time.monotonic()
                 if time.monotonic() - server_gone > STOP_GRACE:
                     self.failure = "workers did not exit after the eps-server finished"
                     return 1
             time.sleep(0.05)
         try:  # workers said Bye(done); the server saves (if asked) and exits by itself
-            server.proc.wait(timeout=300)
+            self.server.proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
             self.failure = "eps-server did not exit after the workers finished"
             return 1
-        if server.proc.returncode != 0:
-            self.failure = f"eps-server exited with status {server.proc.returncode}"
+        if self.server.proc.returncode != 0:
+            self.failure = f"eps-server exited with status {self.server.proc.returncode}"
             return 1
         return 0
+
+    def _check_workers(self) -> bool:
+        """Stop hung workers, restart failed ones; False when the job has failed."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        for ev in lost:  # a hung worker: stop it; its exit is handled below
+            w = self.workers.get(ev.rank)
+            if w is None or w.proc.pid != ev.pid or w.proc.poll() is not None:
+                continue
+            what = (f"w{ev.rank} (pid {ev.pid}) was declared dead by the EPS after "
+                    f"{ev.silent:.1f} s without a message")
+            if not self._may_restart(what):
+                return False
+            print(f"l2l-launch: {what}; killing it", file=sys.stderr, flush=True)
+            w.hung = ev.silent
+            _signal(w.proc, signal.SIGKILL)
+            w.proc.wait()
+        for r, w in list(self.workers.items()):
+            code = w.proc.poll()
+            if code in (None, 0):
+                continue
+            what = f"w{r} exited with status {code}"
+            if not self._may_restart(what):
+                return False
+            self.restarts.append({
+                "rank": r, "cause": f"hung: declared dead after {w.hung:.1f} s without a "
+                "message" if w.hung is not None else f"exited with status {code}",
+                "detected_after": round(w.hung or 0.0, 3), "steps_done": self._completed(),
+                "_t": time.monotonic()})
+            print(f"l2l-launch: {what}; restarting rank {r} ({len(self.restarts)}/"
+                  f"{self.max_restarts})", file=sys.stderr, flush=True)
+            self._start_workers([r], replacement=True)
+        return True
+
+    def _restart_job(self, what: str) -> bool:
+        """The EPS died: stop the workers, start everything again from its last checkpoint."""
+        self.stop_all()
+        step = latest_step(self.checkpoints) if self.checkpoints else None
+        done = self._completed()
+        with self._lock:  # steps after the checkpoint are trained (and reported) again
+            start = step or 0
+            self.events = {s: e for s, e in self.events.items() if s < start}
+            self.progress = [p for p in self.progress if p["step"] < start]
+        self.restarts.append({"rank": None, "cause": what, "detected_after": 0.0,
+                              "steps_done": done, "checkpoint_step": step,
+                              "steps_replayed": max(0, done - (step or 0))})
+        print(f"l2l-launch: {what}; restarting the job from "
+              f"{f'the checkpoint of step {step}' if step is not None else 'the start'} "
+              f"({len(self.restarts)}/{self.max_restarts}): {max(0, done - (step or 0))} "
+              "completed steps are lost and trained again", file=sys.stderr, flush=True)
+        extra = ["--load", self.checkpoints] if step is not None else []
+        if not self._start_server(extra):
+            return False
+        self._start_workers(range(len(self.worker_argvs)), replacement=True)
+        return True
 
     def stop_all(self) -> None:
         """Stop every child still running (SIGTERM, then SIGKILL), then remove what the run
@@ -207,6 +325,7 @@ class Launcher:
         workers_first = sorted(alive, key=lambda c: c.name == "eps")
         for c in workers_first:
             _signal(c.proc, signal.SIGTERM)
+            _signal(c.proc, signal.SIGCONT)  # a stopped (hung) process handles it too
         deadline = time.monotonic() + STOP_GRACE
         for c in workers_first:
             try:

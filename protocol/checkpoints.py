@@ -77,3 +77,12 @@ def verify(directory: str) -> None:
             raise ValueError(f"{path}: {size} bytes, {want['size']} were written (truncated?)")
         if sha256_file(path) != want["sha256"]:
             raise ValueError(f"{path}: checksum mismatch (damaged)")
+
+
+def latest_step(root: str) -> int | None:
+    """The step of the checkpoint ``root`` resolves to, or None if there is none (yet)."""
+    try:
+        with open(os.path.join(resolve(root), "state.json")) as f:
+            return int(json.load(f)["step"])
+    except (FileNotFoundError, NotADirectoryError):
+        return None

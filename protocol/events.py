@@ -38,6 +38,19 @@ class Ready:
     pid: int
 
 
+@event("joined")
+class Joined:
+    """A worker joined the job (``rejoined``: it replaces a dead worker of its rank) and runs
+    step ``step`` next, whose gradients of ``pushed`` layers the EPS already has."""
+
+    KIND: ClassVar[str]
+    rank: int
+    pid: int
+    step: int
+    pushed: int
+    rejoined: bool
+
+
 @event("step")
 class StepDone:
     """A worker finished a step. ``loss`` is this worker's share of the global mean loss
@@ -67,6 +80,17 @@ class EvalDone:
     objective: str  # "classify" (report accuracy) or "lm" (report perplexity)
 
 
+@event("peer_lost")
+class PeerLost:
+    """The EPS declared a worker dead (``silent`` seconds without a message): its rank is free
+    for a replacement. A hung process is still running; whoever started it should stop it."""
+
+    KIND: ClassVar[str]
+    rank: int
+    pid: int
+    silent: float
+
+
 @event("stats")
 class ServerStats:
     """The EPS's statistics (its EpsStats snapshot), sent when it stops."""
@@ -89,9 +113,10 @@ def decode(line: str):
     if set(obj) != set(fields):
         raise ValueError(f"{cls.KIND} event with fields {sorted(obj)}, expected {sorted(fields)}")
     for name, value in obj.items():
-        want = {"int": int, "float": (int, float), "str": str, "dict": dict}[fields[name].type]
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise ValueError(f"{cls.KIND}.{name}: expected {fields[name].type}")
+        kind = fields[name].type
+        want = {"int": int, "float": (int, float), "str": str, "dict": dict, "bool": bool}[kind]
+        if not isinstance(value, want) or (isinstance(value, bool) and kind != "bool"):
+            raise ValueError(f"{cls.KIND}.{name}: expected {kind}")
     return cls(**obj)
 
 

@@ -15,8 +15,12 @@ from typing import ClassVar
 
 from .tensors import DTYPES, Manifest
 
-PROTOCOL_VERSION = 2  # 2: TensorSpec.tie (tensors shared between layers), PushGrad.skip
+# 2: TensorSpec.tie (tensors shared between layers), PushGrad.skip
+# 3: Heartbeat, Hello.role (observers), Welcome.pushed/retained/heartbeat_interval/rejoined,
+#    retained versions (recovery), "rank_taken"
+PROTOCOL_VERSION = 3
 
+ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank
 TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
 WHICH = ("compute", "master")  # which copy of a layer a Fetch wants
 ERROR_CODES = (
@@ -27,6 +31,7 @@ ERROR_CODES = (
     "bad_request",  # well-formed but not valid now (wrong step, unknown layer, duplicate push...)
     "not_ready",  # the model has not been initialised yet
     "busy",  # this connection has too many requests waiting; retry once replies came
+    "rank_taken",  # Hello for a rank a live connection holds; retry once it is declared dead
     "resource",  # the server's machine refused a resource (shared memory, a file)
     "internal",  # a bug in the server; the request had no effect
 )
@@ -109,19 +114,23 @@ class RegionInfo:
 
 @message(1, body=MANIFEST_BODY)
 class Hello(Message):
-    """First request of every worker. ``manifest`` is sent so the first worker can bootstrap."""
+    """First request of every worker. ``manifest`` is sent so the first worker can bootstrap.
+    An ``observer`` (a control client) holds no rank: rank, world_size and the model fields are
+    ignored, and it is answered with an Ack."""
 
     protocol_version: int
-    rank: int
-    world_size: int
-    manifest_hash: str
+    rank: int = 0
+    world_size: int = 1
+    manifest_hash: str = ""
     manifest: Manifest | None = None
     transport: str = "shm"
     grad_dtype: str = "compute"  # a dtype name, or "compute": the server's compute dtype
     pid: int = 0
     host: str = ""
+    role: str = "worker"
 
     def check(self) -> None:
+        _require(self.role in ROLES, "role", f"must be one of {ROLES}")
         _require(1 <= self.world_size <= MAX_RANKS, "world_size", f"must be in [1, {MAX_RANKS}]")
         _require(0 <= self.rank < self.world_size, "rank", "must be in [0, world_size)")
         _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
@@ -133,11 +142,13 @@ class Hello(Message):
 
 @message(2, body=REPLY_BODY)
 class Welcome(Message):
-    """Reply to Hello: where the model lives and which step to run next."""
+    """Reply to Hello: where the model lives and which step to run next. A worker replacing a
+    dead one of its rank (``rejoined``) resumes the step that one was in: ``pushed`` are the
+    layers whose gradient (or skip) for ``step`` the EPS already has from this rank."""
 
     protocol_version: int
     run_id: str
-    step: int  # the next step to run (= steps completed by every layer)
+    step: int  # the step this worker runs next
     init_layers: tuple[int, ...]  # layers this worker must send with InitLayer (bootstrap)
     compute_dtype: str  # dtype of the served copy and of the worker's compute
     grad_dtype: str  # dtype of this worker's pushed gradients (Hello's, resolved)
@@ -150,6 +161,11 @@ class Welcome(Message):
     optimizer: dict[str, str | int | float | bool]  # for display and summaries
     # shm transport: int64 version per layer, mirrored by the EPS (read-only for workers)
     versions: RegionInfo | None = None
+    pushed: tuple[int, ...] = ()
+    rejoined: bool = False  # this rank was held before in this run (a replacement)
+    heartbeat_interval: float = 0.0  # send a Heartbeat this often (s); the EPS's timeout / 4
+    # shm transport, recovery on: the previous version of layers updated in an unfinished step
+    retained: RegionInfo | None = None
 
 
 @message(3, body=REPLY_BODY)
@@ -184,7 +200,9 @@ class InitLayer(Message):
 
 @message(6)
 class Fetch(Message):
-    """Ask for ``layer`` at version >= ``min_version``; answered when that version exists."""
+    """Ask for ``layer`` at version >= ``min_version``; answered when that version exists. A
+    server with recovery on answers ``min_version`` itself while it retains it (the layer was
+    updated in a step some worker has not finished)."""
 
     layer: int
     min_version: int
@@ -325,5 +343,15 @@ class HyperAck(Message):
     optimizer: dict[str, str | int | float | bool]
 
 
+# ----------------------------------------------------------------------------- liveness
+
+
+@message(18)
+class Heartbeat(Message):
+    """A registered peer is alive (any request also counts); answered with an Ack. A peer
+    silent for the server's heartbeat timeout is declared dead and its rank freed."""
+
+
 # What a client may send; everything else is a reply and is refused when it arrives as one.
-REQUESTS = (Hello, InitLayer, Fetch, PushGrad, Save, Status, Bye, StashArena, SetHyper)
+REQUESTS = (Hello, InitLayer, Fetch, PushGrad, Save, Status, Bye, StashArena, SetHyper,
+            Heartbeat)

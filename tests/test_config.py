@@ -97,7 +97,12 @@ def test_typed_configs_round_trip(tmp_path):
 def test_events_are_typed_and_checked(tmp_path):
     ev = events.StepDone(rank=1, step=3, loss=0.5, correct=7, count=8, samples=8, seconds=0.1)
     assert events.decode(events.encode(ev)) == ev
+    for ev in (events.Joined(rank=1, pid=2, step=3, pushed=1, rejoined=True),
+               events.PeerLost(rank=1, pid=2, silent=2.5)):  # every kind of field
+        assert events.decode(events.encode(ev)) == ev
     for bad in ['{"event": "step", "rank": 1}', '{"event": "nope"}', "[1, 2]",
+                '{"event": "joined", "rank": 1, "pid": 2, "step": 3, "pushed": 1, '
+                '"rejoined": 1}',
                 '{"event": "ready", "endpoint": "e", "run_id": "r", "pid": "12"}', "not json"]:
         with pytest.raises(ValueError):
             events.decode(bad)

@@ -37,6 +37,7 @@ from protocol.messages import (
     Error,
     Fetch,
     GradAck,
+    Heartbeat,
     Hello,
     InitLayer,
     LayerReady,
@@ -62,7 +63,9 @@ class Harness:
     def __init__(self, world_size=1, optimizer=SGD, **server):
         self.cfg = ServerConfig(world_size=world_size, run_id="c" + secrets.token_hex(4),
                                 optimizer=optimizer, **server)
-        self.lobby = Lobby(self.cfg, self.cfg.run_id, EpsStats(), inline=True)
+        self.now = 0.0  # the core's clock: tests move it (heartbeat timeouts)
+        self.lobby = Lobby(self.cfg, self.cfg.run_id, EpsStats(), inline=True,
+                           clock=lambda: self.now)
         self.core: EpsCore | None = None
         self.inbox: dict[bytes, list] = defaultdict(list)
 
@@ -438,15 +441,32 @@ def test_fp16_overflow_skips_and_halves_the_scale(make, update):
     assert s.skipped_updates == (3 if update == "deferred" else 1)
 
 
-def test_bye_and_a_replaced_rank_fail_their_waiting_fetches(make):
-    h = make(2)
+def test_a_live_rank_is_kept_and_a_silent_one_declared_dead(make):
+    h = make(2, heartbeat_timeout=10.0)
     h.bootstrap()
     h.send(1, Fetch(req_id=5, layer=0, min_version=1))
     other = b"rank1-restarted"
-    h.send(1, Hello(req_id=7, protocol_version=PROTOCOL_VERSION, rank=1, world_size=2,
-                    manifest_hash=MANIFEST.hash(), transport="frames", grad_dtype="float32"),
-           peer=other)
-    assert error(h.take(1, 5)).code == "bad_request"  # the old connection's wait is over
+    hello = Hello(req_id=7, protocol_version=PROTOCOL_VERSION, rank=1, world_size=2,
+                  manifest_hash=MANIFEST.hash(), transport="frames", grad_dtype="float32")
+    h.now = 9.0
+    h.send(0, Heartbeat(req_id=2))
+    h.send(1, hello, peer=other)
+    assert error(h.take(1, 7, peer=other)).code == "rank_taken"  # rank 1 is alive
+    h.send(1, Heartbeat(req_id=6))
+    assert isinstance(h.take(1, 6).msg, Ack)
+    h.now = 18.0  # 9 s after its heartbeat: still alive
+    h.send(1, hello, peer=other)
+    assert error(h.take(1, 7, peer=other)).code == "rank_taken"
+    assert h.core.expire() == []
+    h.send(0, Heartbeat(req_id=4))  # rank 0 keeps talking
+    h.now = 19.5  # 10.5 s of silence: rank 1 is dead, rank 0 is not
+    assert [p.rank for p in h.core.expire()] == [1]
+    assert h.core.status_stats() and h.take(1, 5) is None  # its Fetch goes to nobody
+    h.send(1, Heartbeat(req_id=3))
+    assert error(h.take(1, 3)).code == "not_registered"  # a revived one is told
+    h.send(1, hello, peer=other)
+    welcome = h.take(1, 7, peer=other).msg
+    assert welcome.rejoined and welcome.step == 0 and welcome.pushed == ()
     h.send(1, Status(req_id=8), peer=other)
     assert h.take(1, 8, peer=other).msg.ranks == (0, 1)
     h.send(1, Fetch(req_id=9, layer=0, min_version=1), peer=other)

@@ -17,6 +17,7 @@ from protocol.messages import (
     Error,
     Fetch,
     GradAck,
+    Heartbeat,
     Hello,
     HyperAck,
     InitLayer,
@@ -60,7 +61,8 @@ def hellos(draw):
                  rank=draw(st.integers(0, world - 1)), world_size=world,
                  manifest_hash=draw(st.text(max_size=80)), manifest=draw(st.none() | manifests),
                  transport=draw(st.sampled_from(["shm", "frames"])), grad_dtype=draw(dtypes),
-                 pid=draw(small), host=draw(st.text(max_size=30)))
+                 pid=draw(small), host=draw(st.text(max_size=30)),
+                 role=draw(st.sampled_from(["worker", "observer"])))
 
 
 SAMPLES = {
@@ -70,7 +72,9 @@ SAMPLES = {
                        compute_dtype=dtypes, grad_dtype=dtypes,
                        master=regions, compute=st.none() | regions, grads=st.none() | regions,
                        grad_slots=small, grad_slot_numel=small, world_size=small,
-                       versions=st.none() | regions,
+                       versions=st.none() | regions, retained=st.none() | regions,
+                       pushed=st.lists(small, max_size=4).map(tuple), rejoined=st.booleans(),
+                       heartbeat_interval=st.floats(0, 1e4),
                        optimizer=st.dictionaries(st.text(max_size=8), scalars, max_size=4)),
     Error: st.builds(Error, req_id=ids, code=st.sampled_from(ERROR_CODES),
                      message=st.text(max_size=50), field=st.text(max_size=20)),
@@ -100,6 +104,7 @@ SAMPLES = {
         st.text(max_size=8), scalars, min_size=1, max_size=4)),
     HyperAck: st.builds(HyperAck, req_id=ids, optimizer=st.dictionaries(
         st.text(max_size=8), scalars, max_size=4)),
+    Heartbeat: st.builds(Heartbeat, req_id=ids),
 }
 
 

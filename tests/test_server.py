@@ -18,6 +18,7 @@ from protocol.checkpoints import resolve
 from protocol.messages import PROTOCOL_VERSION, Bye, Fetch, PushGrad, SetHyper, Status
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
+from worker.job import join
 
 from .helpers import SMALL
 
@@ -266,17 +267,20 @@ def test_control_over_tcp_needs_a_worker(cluster, tmp_path):
         c.close()
 
 
-def test_a_restarted_initialiser_sends_only_the_missing_layers(server):
-    a = EpsClient(server.endpoint, 20)
+def test_a_restarted_initialiser_sends_only_the_missing_layers(cluster):
+    cluster.start_server(1, "--heartbeat-timeout", "0.5")
+    a = EpsClient(cluster.endpoint, 20)
     welcome = a.hello(rank=0, world_size=1, manifest=MANIFEST, transport="frames",
                       grad_dtype="float32")
     a.wait(a.init_layer(0, torch.ones(LAYOUT.layers[0].numel).numpy().data))
     a.close()  # dies half-way through the bootstrap
-    b = EpsClient(server.endpoint, 20)
+    b = EpsClient(cluster.endpoint, 20)
     try:
-        welcome = b.hello(rank=0, world_size=1, manifest=MANIFEST, transport="frames",
-                          grad_dtype="float32")
-        assert welcome.init_layers == (1, 2)
+        refused(lambda: b.hello(rank=0, world_size=1, manifest=MANIFEST, transport="frames",
+                                grad_dtype="float32"), "rank_taken")  # not declared dead yet
+        welcome = join(b, 20, rank=0, world_size=1, manifest=MANIFEST, transport="frames",
+                       grad_dtype="float32")  # asks again until it is
+        assert welcome.init_layers == (1, 2) and welcome.rejoined
         for layer in welcome.init_layers:
             b.wait(b.init_layer(layer, torch.ones(LAYOUT.layers[layer].numel).numpy().data))
         assert b.status().versions == (0, 0, 0)

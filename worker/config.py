@@ -11,6 +11,8 @@ from typing import Literal
 
 from protocol.endpoints import default_endpoint
 
+from .faults import Fault
+
 BUILTIN_MODELS = ("bert", "gpt")
 
 
@@ -140,6 +142,13 @@ class WorkerConfig:
     """torch intra-op threads of this process."""
     eps_timeout: float = 600.0
     """Seconds to wait for any single EPS reply before giving up."""
+    stall_timeout: float = 600.0
+    """Stop sending heartbeats once the loop has made no progress (no request, no layer
+    visit) for this long, so the EPS declares this worker dead: a deadlock or a hung device
+    (0: never)."""
+    fault: str = ""
+    """Testing: RANK:STEP:POINT[:stop] makes rank RANK kill (or stop) itself at POINT of step
+    STEP (F<l>, H<l>, B<l>: a visit of layer l; E: after the step); see worker/faults.py."""
     save: str = ""
     """Rank 0 writes the trained model here (safetensors, the assembled nn.Module's names)."""
     summary_json: str = ""
@@ -165,8 +174,9 @@ class WorkerConfig:
             raise ValueError("stash must be device, host or eps")
         if not 0 <= self.layer_drop < 1:
             raise ValueError("layer_drop must be in [0, 1)")
-        if self.threads < 1 or not self.eps_timeout > 0:
-            raise ValueError("threads must be >= 1 and eps_timeout > 0")
+        if self.threads < 1 or not self.eps_timeout > 0 or self.stall_timeout < 0:
+            raise ValueError("threads must be >= 1, eps_timeout > 0 and stall_timeout >= 0")
+        Fault.parse(self.fault)
 
     @property
     def global_micro_batches(self) -> int:

@@ -4,6 +4,11 @@ One I/O thread owns the ZeroMQ DEALER socket; any thread may call. Every call re
 ``concurrent.futures.Future`` resolved with the reply (or an ``EpsError``), so the executor can
 have fetches and pushes in flight while it computes. A socket monitor notices the server
 going away: every pending call then fails with ``EpsDisconnected`` instead of hanging.
+
+Once joined, the I/O thread sends a Heartbeat every ``heartbeat_interval`` (Welcome) while the
+worker makes progress (a request, or ``tick()``, within ``stall_timeout``): a worker whose loop
+is stuck (a deadlock, a hung device) falls silent and the EPS declares it dead. If the EPS
+answers a heartbeat with "not_registered", this worker was declared dead: every call fails.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from concurrent.futures import Future
 
 import zmq
@@ -27,6 +33,7 @@ from protocol.messages import (
     Bye,
     Error,
     Fetch,
+    Heartbeat,
     Hello,
     InitLayer,
     Message,
@@ -68,6 +75,11 @@ class EpsClient:
         self._wake_r.setblocking(False)
         self._closed = False
         self._lost: str | None = None
+        self._beat_every = 0.0  # seconds; 0: no heartbeats (not joined yet)
+        self._stall_timeout = 0.0
+        self._next_beat = 0.0
+        self._progress = time.monotonic()
+        self._stalled = False
         self._thread = threading.Thread(target=self._run, name="eps-client", daemon=True)
         self._thread.start()
 
@@ -79,6 +91,7 @@ class EpsClient:
         req_id = next(self._ids)
         msg = msg_type(req_id=req_id, **fields)
         wire = codec.encode(msg, frames)
+        self._progress = time.monotonic()
         with self._lock:
             if self._lost is not None or self._closed:
                 fut.set_exception(EpsDisconnected(self._lost or "client closed"))
@@ -108,6 +121,23 @@ class EpsClient:
                            manifest=manifest if send_manifest else None, transport=transport,
                            grad_dtype=grad_dtype, pid=os.getpid(), host=socket.gethostname())
         return self.wait(fut, timeout)[0]
+
+    def observe(self, timeout: float | None = None) -> None:
+        """Join as an observer (a control client): no rank, nobody evicted."""
+        self.wait(self.request(Hello, protocol_version=PROTOCOL_VERSION, role="observer",
+                               pid=os.getpid(), host=socket.gethostname()), timeout)
+
+    def start_heartbeats(self, interval: float, stall_timeout: float = 0.0) -> None:
+        """Send a Heartbeat every ``interval`` s while the caller makes progress (a request or
+        ``tick()`` within ``stall_timeout`` s; 0: always)."""
+        self._stall_timeout = stall_timeout
+        self._next_beat = time.monotonic() + interval
+        self._beat_every = interval
+        self._wake_w.send(b"\0")
+
+    def tick(self) -> None:
+        """The worker's loop made progress (see start_heartbeats)."""
+        self._progress = time.monotonic()
 
     def init_layer(self, layer: int, data) -> Future:
         return self.request(InitLayer, frames=(data,), layer=layer)
@@ -156,7 +186,13 @@ class EpsClient:
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._closed:
-                for item, _ in poller.poll():
+                wait = None
+                if self._beat_every:
+                    now = time.monotonic()
+                    if now >= self._next_beat:
+                        self._beat(sock, now)
+                    wait = max(1, int(1000 * (self._next_beat - now)))
+                for item, _ in poller.poll(wait):
                     if item is sock:
                         self._on_reply(sock.recv_multipart(copy=False))
                     elif item is monitor:
@@ -181,6 +217,27 @@ class EpsClient:
             sock.disable_monitor()
             monitor.close(0)
             sock.close()
+
+    def _beat(self, sock, now: float) -> None:
+        self._next_beat = now + self._beat_every
+        if self._stall_timeout and now - self._progress > self._stall_timeout:
+            if not self._stalled:
+                self._stalled = True
+                log.error("no progress for %.0f s: heartbeats stopped, the EPS will declare "
+                          "this worker dead", now - self._progress)
+            return
+        fut: Future = Future()
+        req_id = next(self._ids)
+        with self._lock:
+            self._pending[req_id] = fut
+        fut.add_done_callback(self._beat_answered)
+        sock.send_multipart(codec.encode(Heartbeat(req_id=req_id)), copy=False)
+
+    def _beat_answered(self, fut: Future) -> None:
+        e = fut.exception()
+        if isinstance(e, EpsError) and e.code == "not_registered":
+            self._on_lost("the EPS no longer knows this worker: it was declared dead (silent "
+                          "for longer than the EPS's heartbeat timeout)")
 
     def _on_reply(self, frames) -> None:
         try:

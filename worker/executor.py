@@ -32,6 +32,7 @@ from protocol.tensors import Layout, named_views
 from protocol.trace import NULL, Tracer
 
 from .data import Sharder
+from .faults import Fault
 from .models.base import LayeredModel, derive_seed, dropout_seed, seeded
 from .stash import make_stash, members, shaped_like
 from .streams import Streams
@@ -60,7 +61,7 @@ class Executor:
     def __init__(self, model: LayeredModel, layout: Layout, source, sharder: Sharder, *,
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
                  seed: int, stash: str = "device", tracer: Tracer = NULL,
-                 layer_drop: float = 0.0):
+                 layer_drop: float = 0.0, fault: Fault | None = None):
         self.plans = layout.layers
         if len(self.plans) < 2:
             raise ValueError("a layered model needs at least two layers (pre ... post)")
@@ -73,6 +74,7 @@ class Executor:
         self.seed = seed
         self.layer_drop = layer_drop
         self.tracer = tracer
+        self.fault = fault
         self.streams = Streams(device)
         # One weightless template module per stage kind, bound to a layer's weights per visit.
         self.binders = {kind: model.template(kind, device) for kind in {p.kind for p in self.plans}}
@@ -89,14 +91,19 @@ class Executor:
             raise ValueError("LayerDrop may skip a block whose tensor another layer reads "
                              "(a tie owned by a block): not supported")
 
-    def run_step(self, step: int) -> StepResult:
+    def run_step(self, step: int, pushed: frozenset[int] = frozenset()) -> StepResult:
+        """Run ``step``. ``pushed``: layers whose gradient the EPS already has from this rank
+        (a replacement redoing the step its predecessor died in): they are computed through,
+        for the layers below, but not pushed again."""
         t0 = time.perf_counter()
+        if pushed:
+            self.source.redo(step, pushed)
         with self.tracer.span("data", "data"):
             batches = [b.to(self.device) for b in self.sharder.batches(step, self.micro_batches)]
         for buf in self.tie_grads.values():
             buf.zero_()
         skipped = self.skipped(step)
-        for layer in sorted(skipped):  # LayerDrop: neither fetched nor pushed this step
+        for layer in sorted(skipped - pushed):  # LayerDrop: neither fetched nor pushed
             self.source.skip(step, self.plans[layer])
         visits = [i for i in range(len(self.plans)) if i not in skipped]
         last = visits[-1]
@@ -107,6 +114,7 @@ class Executor:
         xs: list = [None] * len(batches)
 
         for k, layer in enumerate(visits[:-1]):  # forward, layer-major
+            self.point(step, f"F{layer}")
             with self.tracer.span(f"F{layer}", "forward"):
                 weights = self._weights(layer, step, requires_grad=layer == keep)
                 self.source.prefetch(visits[k + 1], step)
@@ -125,12 +133,14 @@ class Executor:
         # Backward in reverse visit order; each visit prefetches the next one (layer 0: the
         # next step's), but the head does not while the kept block's weights are still held.
         loss, correct = self._backward_visit(step, last, xs, batches,  # head: fwd + bwd
-                                             prefetch=(visits[-2], step) if keep < 0 else None)
+                                             prefetch=(visits[-2], step) if keep < 0 else None,
+                                             push=last not in pushed)
         for k in range(len(visits) - 2, -1, -1):
             after = (visits[k - 1], step) if k else (
                 (0, step + 1) if step + 1 < self.steps else None)
             self._backward_visit(step, visits[k], xs, batches,
-                                 kept if visits[k] == keep else None, prefetch=after)
+                                 kept if visits[k] == keep else None, prefetch=after,
+                                 push=visits[k] not in pushed)
 
         self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
@@ -168,26 +178,32 @@ class Executor:
         return kept
 
     def _backward_visit(self, step: int, layer: int, dx: list, batches,
-                        kept: _Kept | None = None, prefetch: tuple[int, int] | None = None):
+                        kept: _Kept | None = None, prefetch: tuple[int, int] | None = None,
+                        push: bool = True):
         """Recompute ``layer`` per micro-batch with grad (or take its ``kept`` graph),
         back-propagate ``dx`` (replaced in place by the gradient w.r.t. the layer's input),
-        accumulate and push the weight gradient. For the head the loss is the output, and
+        accumulate and push the weight gradient (unless not ``push``: then it is not even
+        computed, but tied tensors' gradients are). For the head the loss is the output, and
         (loss, correct) is returned."""
         plan = self.plans[layer]
         head = layer == len(self.plans) - 1
         loss_sum = torch.zeros((), device=self.device)
         correct_sum = torch.zeros((), dtype=torch.long, device=self.device)
+        self.point(step, f"{'H' if head else 'B'}{layer}")
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
             leaves = kept.leaves if kept else self._weights(layer, step, requires_grad=True)
             scale = self.source.loss_scale(step) if head else 1.0  # fp16 dynamic loss scaling
             if prefetch is not None:  # layer 0 of the next step: once the EPS has updated it
                 self.source.prefetch(*prefetch)
             stage = self.binders[plan.kind].bind(leaves)
-            slot, acc = self.source.grad_buffer(plan)
-            targets = list(named_views(acc, plan).values())
+            slot, acc = self.source.grad_buffer(plan) if push else (-1, None)
+            targets = list(named_views(acc, plan).values()) if push else []
             tie_targets = self._tie_grads(plan)
-            weights = [leaves[s.name] for s in plan.tensors] + [leaves[t.name] for t in plan.ties]
+            mine = [leaves[s.name] for s in plan.tensors] if push else []
+            weights = mine + [leaves[t.name] for t in plan.ties]
             for i, batch in enumerate(batches):
+                if not weights and layer == 0:
+                    break  # already pushed, no input to differentiate: nothing to compute
                 if kept:
                     x_in, out = kept.inputs[i], kept.outputs[i]
                 else:
@@ -217,16 +233,27 @@ class Executor:
                                                for t in members(x_in)])
                 grads = grads[len(x_parts):]
                 own = list(grads[:len(targets)])
-                if i == 0:
+                if not targets:
+                    pass  # already pushed
+                elif i == 0:
                     torch._foreach_copy_(targets, own)
                 else:
                     torch._foreach_add_(targets, own)
                 for buf, g in zip(tie_targets, grads[len(targets):]):
                     buf.add_(g)  # several readers (or tensors) may share one buffer
-            self._add_tie_grads(layer, acc)
+            if push:
+                self._add_tie_grads(layer, acc)
         self.source.release(layer, step)
-        self.source.push(step, plan, slot, acc)
+        if push:
+            self.source.push(step, plan, slot, acc)
         return loss_sum, correct_sum
+
+    def point(self, step: int, point: str) -> None:
+        """The loop reached ``point`` of ``step`` (a visit starts, or E: the step is done and
+        reported): it made progress (its heartbeats go on), and --fault fires there."""
+        self.source.tick()
+        if self.fault is not None:
+            self.fault.at(step, point)
 
     def skipped(self, step: int) -> set[int]:
         return layer_drop(self.seed, step, len(self.plans), self.layer_drop)

@@ -10,14 +10,15 @@ from dataclasses import asdict
 
 import torch
 
-from protocol.events import EvalDone, EventWriter, StepDone
+from protocol.events import EvalDone, EventWriter, Joined, StepDone
 from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
 from .config import WorkerArgs
 from .data import Sharder, build_eval, build_task
-from .eps_client import EpsClient
+from .eps_client import EpsClient, EpsError
 from .executor import Executor, StepResult
+from .faults import Fault
 from .memory import PeakMemory
 from .models import build_model
 from .models.loaders import flat_of
@@ -27,6 +28,23 @@ from .source import make_source
 log = logging.getLogger("l2l_worker")
 
 INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones are loaded
+
+
+def join(client: EpsClient, timeout: float, **hello):
+    """Say Hello; while the rank is held by a predecessor the EPS has not declared dead yet
+    ("rank_taken"), ask again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            return client.hello(timeout=max(1.0, deadline - time.monotonic()), **hello)
+        except EpsError as e:
+            if e.code != "rank_taken" or time.monotonic() > deadline:
+                raise
+            if not told:
+                log.warning("rank %d: %s; waiting", hello["rank"], e.detail)
+                told = True
+            time.sleep(0.25)
 
 
 def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
@@ -80,12 +98,18 @@ def run_worker(args: WorkerArgs) -> dict:
     elapsed, peak = 0.0, 0
     memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
     try:
-        welcome = client.hello(rank=cfg.rank, world_size=cfg.world_size, manifest=manifest,
-                               transport=cfg.transport, grad_dtype=cfg.grad_dtype,
-                               timeout=min(cfg.eps_timeout, 120.0))
-        log.info("rank %d: joined run %s at step %d (%d layers, %.2fM params, compute %s, "
-                 "gradients %s)", cfg.rank, welcome.run_id, welcome.step, len(layout.layers),
-                 manifest.num_params / 1e6, welcome.compute_dtype, welcome.grad_dtype)
+        welcome = join(client, min(cfg.eps_timeout, 120.0), rank=cfg.rank,
+                       world_size=cfg.world_size, manifest=manifest, transport=cfg.transport,
+                       grad_dtype=cfg.grad_dtype)
+        client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
+        events.emit(Joined(rank=cfg.rank, pid=os.getpid(), step=welcome.step,
+                           pushed=len(welcome.pushed), rejoined=welcome.rejoined))
+        log.info("rank %d: %s run %s at step %d (%d layers, %.2fM params, compute %s, "
+                 "gradients %s)%s", cfg.rank, "rejoined" if welcome.rejoined else "joined",
+                 welcome.run_id, welcome.step, len(layout.layers), manifest.num_params / 1e6,
+                 welcome.compute_dtype, welcome.grad_dtype,
+                 f"; {len(welcome.pushed)} layers of it pushed already" if welcome.pushed
+                 else "")
         if welcome.init_layers:
             t0 = time.perf_counter()
             bootstrap(client, model.loader(), layout, welcome.init_layers)
@@ -96,7 +120,8 @@ def run_worker(args: WorkerArgs) -> dict:
         executor = Executor(model, layout, source, sharder, device=device,
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
-                            tracer=tracer, layer_drop=cfg.layer_drop)
+                            tracer=tracer, layer_drop=cfg.layer_drop,
+                            fault=Fault.parse(cfg.fault, cfg.rank))
         eval_batches = evalset.batches() if evalset is not None else []
         eval_seconds = 0.0
 
@@ -112,14 +137,16 @@ def run_worker(args: WorkerArgs) -> dict:
             eval_seconds += time.perf_counter() - t0
 
         t_start = time.perf_counter()
-        if evalset is not None:
+        if evalset is not None and not welcome.rejoined:  # (a replacement: the others did)
             evaluate(welcome.step)  # before training (on resume: where it stands)
         for step in range(welcome.step, cfg.steps):
-            r = executor.run_step(step)
+            r = executor.run_step(step, frozenset(welcome.pushed) if step == welcome.step
+                                  else frozenset())
             results.append(r)
             memory.sample()
             events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
                                  count=r.count, samples=r.samples, seconds=r.seconds))
+            executor.point(step, "E")
             every = args.data.eval_every
             if evalset is not None and (step + 1 == cfg.steps or every and (step + 1) % every
                                         == 0):

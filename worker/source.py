@@ -9,6 +9,9 @@ to, and the EPS-backed one, assembled once when the worker joins.
     push(step, plan, slot, buf), drain()   send it (asynchronously); wait for the step's acks
     skip(step, plan)           the layer is skipped this step (LayerDrop): no gradient
     stash_arena(nbytes)        EPS-owned shared memory for the stash (--stash eps)
+    tick()                     the loop made progress (heartbeats go on; see eps_client.py)
+    redo(step, layers)         this rank's gradients of ``layers`` for ``step`` are in already
+                               (a replacement): their weights must come from the EPS's answer
 
 The same executor runs against weights held in-process (bench/local.py) for baselines.
 ``make_source`` picks, from the transport, the device and the precision, one locator, one
@@ -46,6 +49,8 @@ class LayerSource(Protocol):
     def skip(self, step: int, plan: LayerPlan) -> None: ...
     def drain(self) -> None: ...
     def stash_arena(self, nbytes: int) -> Region: ...
+    def redo(self, step: int, layers: frozenset[int]) -> None: ...
+    def tick(self) -> None: ...
 
 
 class EpsSource:
@@ -84,6 +89,14 @@ class EpsSource:
     def drain(self) -> None:
         self._grads.drain()
 
+    def tick(self) -> None:
+        self.client.tick()
+
+    def redo(self, step: int, layers: frozenset[int]) -> None:
+        # The served copy of a layer this rank pushed may be rewritten at any time: never read
+        # it off the version board; the EPS answers with a copy (its retained version).
+        self._weights.locator.ask |= {(layer, step) for layer in layers}
+
     def stash_arena(self, nbytes: int) -> Region:
         reply = self.client.call(StashArena, nbytes=nbytes)
         return self.regions.attach(reply.region, writable=True)
@@ -112,7 +125,7 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
     shm = cfg.transport == "shm"
     regions = Regions(pin=cuda)
     if shm:
-        for info in (welcome.master, welcome.compute):
+        for info in (welcome.master, welcome.compute, welcome.retained):
             if info is not None:
                 regions.attach(info, writable=False)
 

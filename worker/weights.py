@@ -3,8 +3,9 @@ compute device (a weight path). Both are chosen once, when the worker joins (sou
 
 Locators answer "where is version v of layer l?" with a future of (LayerReady, frames):
     FetchLocator   a Fetch round trip (either transport)
-    BoardLocator   shm: a version the EPS has already published on its shared version board is
-                   located without asking; else a Fetch
+    BoardLocator   shm: the version the EPS has published on its shared version board is
+                   located without asking; else (not there yet, or already replaced: a worker
+                   redoing a step reads a retained version) a Fetch
 
 Weight paths hand the executor a flat tensor of the layer, one visit ahead:
     InPlaceWeights     CPU: the shared-memory region or received frame is used where it lies
@@ -32,6 +33,7 @@ class FetchLocator:
     def __init__(self, client: EpsClient):
         self.client = client
         self.fast_fetches = 0  # located without a round trip (BoardLocator)
+        self.ask: set[tuple[int, int]] = set()  # (layer, version) always fetched (source.redo)
 
     def locate(self, layer: int, version: int) -> Future:
         return self.client.fetch(layer, version)
@@ -48,7 +50,7 @@ class BoardLocator(FetchLocator):
 
     def locate(self, layer: int, version: int) -> Future:
         published = int(self.board[layer])
-        if published < version:
+        if published != version or (layer, version) in self.ask:
             return super().locate(layer, version)
         plan, dtype = self.layout.layers[layer], self.served.dtype
         reply = Future()  # what the EPS would answer

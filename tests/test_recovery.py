@@ -1,0 +1,130 @@
+"""The job outlives its workers and its EPS (real processes, real signals): with
+``--max-restarts 1`` a worker killed at any point of a step, or hung, is replaced and the final
+weights are bitwise those of a run without failures; a killed EPS restarts the job from its last
+checkpoint. Without restarts, a hung worker fails the job cleanly.
+
+Workers kill (or stop) themselves at a chosen point with ``--fault`` (worker/faults.py). The
+model is tests.helpers.SMALL: layers 0 (embeddings), 1-2 (blocks), 3 (head), dropout on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from protocol.shm import list_regions
+
+from .helpers import ENV, SMALL
+from .test_launch import LAUNCH, assert_nothing_left, launch, processes_with
+
+STEPS = 4
+TIMEOUT = "2"  # --heartbeat-timeout: a hung worker is declared dead after 2 s of silence
+JOB = ["--workers", "2", "--steps", str(STEPS), *SMALL, "--heartbeat-timeout", TIMEOUT]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free run's final weights, per update mode."""
+    done = {}
+
+    def get(update: str) -> bytes:
+        if update not in done:
+            tmp = tmp_path_factory.mktemp(f"ref-{update}")
+            p, s, _ = launch(tmp, *JOB, "--update", update, "--save", str(tmp / "m.st"))
+            assert p.returncode == 0, p.stderr
+            done[update] = (tmp / "m.st").read_bytes()
+        return done[update]
+
+    return get
+
+
+def recovered(tmp_path, fault: str, *extra: str) -> tuple[dict, bytes]:
+    p, s, endpoint = launch(tmp_path, *JOB, "--max-restarts", "1", "--fault", fault,
+                            "--save", str(tmp_path / "m.st"), *extra)
+    assert p.returncode == 0, p.stderr
+    assert_nothing_left(endpoint, s["run_id"])
+    [restart] = s["restarts"]
+    print(f"{fault}: {restart}")  # the detection and rejoin times (pytest -s shows them)
+    return restart, (tmp_path / "m.st").read_bytes()
+
+
+@pytest.mark.parametrize("fault,update", [
+    ("1:2:B1", "eager"),  # backward: layers 3 and 2 pushed (and maybe updated) already
+    ("1:1:F2", "deferred"),  # forward, nothing pushed yet
+    pytest.param("0:2:H3", "eager", marks=pytest.mark.slow),  # the head: nothing pushed
+    pytest.param("1:1:B1", "deferred", marks=pytest.mark.slow),
+    pytest.param("1:1:E", "eager", marks=pytest.mark.slow),  # between steps: all pushed
+])
+def test_a_killed_worker_is_replaced_and_the_run_is_exact(tmp_path, reference, fault, update):
+    restart, weights = recovered(tmp_path, fault, "--update", update)
+    rank, step, point = fault.split(":")
+    assert restart["rank"] == int(rank) and restart["cause"] == "exited with status -9"
+    # Layers whose push had reached the EPS when it died: pushes leave from the I/O thread, so
+    # at B1 layers 3 and 2 may or may not be out (tests/test_recovery_core.py pins each case).
+    pushed = {"B1": (0, 1, 2), "F2": (0,), "H3": (0,), "E": (0,)}[point]
+    resumed = int(step) + 1 if point == "E" else int(step)
+    assert restart["resumed_step"] == resumed and restart["layers_already_pushed"] in pushed
+    assert weights == reference(update), "the recovered run's weights differ"
+
+
+def test_a_hung_worker_is_declared_dead_killed_and_replaced(tmp_path, reference):
+    restart, weights = recovered(tmp_path, "1:2:B2:stop")
+    assert restart["cause"].startswith("hung: declared dead after")
+    # Declared dead once silent for the timeout (the EPS looks 4 times per timeout).
+    assert float(TIMEOUT) <= restart["detected_after"] < float(TIMEOUT) * 2
+    assert restart["layers_already_pushed"] in (0, 1)  # layer 3's push may be out
+    assert weights == reference("eager")
+
+
+def test_without_restarts_a_hung_worker_fails_the_job_cleanly(tmp_path):
+    p, s, endpoint = launch(tmp_path, *JOB, "--fault", "1:1:F1:stop")
+    assert p.returncode == 1
+    assert "w1" in s["failure"] and "declared dead by the EPS" in s["failure"], s["failure"]
+    assert_nothing_left(endpoint, s["run_id"])
+
+
+def test_a_killed_eps_restarts_the_job_from_its_last_checkpoint(tmp_path, reference):
+    """K = 2: checkpoints every 2 steps; the EPS is killed once a checkpoint exists, and at
+    most K completed steps are trained again."""
+    ck, summary, endpoint = tmp_path / "ck", tmp_path / "s.json", f"ipc://{tmp_path}/eps.sock"
+    steps = 8
+    p = subprocess.Popen([*LAUNCH, "--endpoint", endpoint, "--summary-json", str(summary),
+                          "--workers", "2", "--steps", str(steps), *SMALL, "--max-restarts", "1",
+                          "--server-save", str(ck), "--checkpoint-every", "2",
+                          "--save", str(tmp_path / "m.st")],
+                         env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck / "latest").exists():
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+            time.sleep(0.05)
+        [eps] = [pid for pid in processes_with(endpoint) if b"eps_server" in
+                 open(f"/proc/{pid}/cmdline", "rb").read()]
+        os.kill(eps, signal.SIGKILL)
+        out, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, err
+    s = json.loads(summary.read_text())
+    [restart] = s["restarts"]
+    print(restart)
+    assert restart["rank"] is None and "eps-server exited with status -9" in restart["cause"]
+    assert restart["checkpoint_step"] in range(2, steps, 2)
+    assert 0 <= restart["steps_replayed"] <= 2
+    assert s["steps"] == steps
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    p2 = subprocess.run([*LAUNCH, "--workers", "2", "--steps", str(steps), *SMALL,
+                         "--save", str(ref / "m.st")], env=ENV, cwd=ref, capture_output=True,
+                        text=True, timeout=240)
+    assert p2.returncode == 0, p2.stderr
+    assert (tmp_path / "m.st").read_bytes() == (ref / "m.st").read_bytes()
+    assert not list_regions(f"l2l-{s['run_id']}-")

@@ -1,0 +1,262 @@
+"""Exact recovery in the EPS core, without sockets: a rank dies at any point of a step, falls
+silent, is declared dead, and a replacement redoes its step from the Welcome's resume point.
+Every version the replacement reads must be bitwise the one a failure-free run read there, and
+the final weights must be the failure-free run's.
+
+The ranks are the in-process ones of test_core (fetch 0..L-1, push L-1..0, prefetch layer 0 of
+the next step before the last push); hypothesis picks the victim, the moment it dies, the
+interleaving, and whether the dead process comes back to life and tries to push.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eps_server.config import OptimizerConfig
+from protocol.messages import Error, Fetch, GradAck, Heartbeat, Hello, LayerReady, PushGrad
+
+from .test_core import MANIFEST, PROTOCOL_VERSION, SGD, Harness, L, error, grad_of, value
+
+STEPS = 3
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+def make():
+    made = []
+    yield lambda *a, **kw: made.append(Harness(*a, **kw)) or made[-1]
+    for h in made:
+        h.close()
+
+
+class Rank:
+    """One rank's program from step ``start`` on; pushes of ``pushed`` layers in ``start`` are
+    left out (the EPS has them). Records every version it reads."""
+
+    def __init__(self, h: Harness, rank: int, identity: bytes, start: int = 0,
+                 pushed: tuple[int, ...] = (), base: int = 0):
+        self.h, self.rank, self.identity = h, rank, identity
+        self.ids = iter(range(base + 1000 * (rank + 1), base + 1000 * (rank + 2)))
+        self.actions = list(self._program(start, set(pushed)))
+        self.pc = 0
+        self.waiting: set[int] = set()
+        self.prefetched: dict[tuple, int] = {}
+        self.pushes: set[int] = set()
+        self.read: dict[tuple[int, int], bytes] = {}  # (layer, version) -> the bytes served
+        self.fetches: dict[int, tuple[int, int]] = {}
+
+    def _program(self, start, pushed):
+        for t in range(start, STEPS):
+            for layer in range(L):
+                yield ("fetch", layer, t)
+            for layer in range(L - 1, -1, -1):
+                yield ("fetch", layer, t)  # the backward visit reads the layer again
+                if layer == 0 and t + 1 < STEPS:
+                    yield ("prefetch", 0, t + 1)
+                if not (t == start and layer in pushed):
+                    yield ("push", layer, t)
+            yield ("drain", None, t)
+
+    @property
+    def done(self) -> bool:
+        return self.pc >= len(self.actions) and not self.waiting
+
+    def runnable(self) -> bool:
+        if self.waiting:
+            box = self.h.inbox[self.identity]
+            if not self.waiting <= {o.msg.req_id for o in box}:
+                return False
+            for rid in self.waiting:
+                out = self.h.take(self.rank, rid, peer=self.identity)
+                assert not isinstance(out.msg, Error), out.msg
+                if isinstance(out.msg, LayerReady):
+                    self._record(rid, out)
+            self.waiting = set()
+        return self.pc < len(self.actions)
+
+    def _record(self, rid, out) -> None:
+        layer, version = self.fetches.pop(rid)
+        assert out.msg.version == version, (layer, version, out.msg)
+        data = bytes(out.frames[0])
+        assert self.read.setdefault((layer, version), data) == data
+        self.read[layer, version] = data
+
+    def act(self) -> None:
+        what, layer, t = self.actions[self.pc]
+        self.pc += 1
+        if what in ("fetch", "prefetch"):
+            rid = self.prefetched.pop((layer, t), None)
+            if rid is None:
+                rid = next(self.ids)
+                self.fetches[rid] = (layer, t)
+                self.h.send(self.rank, Fetch(req_id=rid, layer=layer, min_version=t),
+                            peer=self.identity)
+            if what == "prefetch":
+                self.prefetched[layer, t] = rid
+            else:
+                self.waiting = {rid}
+        elif what == "push":
+            rid = next(self.ids)
+            self.pushes.add(rid)
+            self.h.send(self.rank, _push(t, layer, self.rank, rid), _frames(t, layer, self.rank),
+                        peer=self.identity)
+        else:
+            self.waiting, self.pushes = self.pushes, set()
+
+    def beat(self) -> None:
+        self.h.send(self.rank, Heartbeat(req_id=next(self.ids)), peer=self.identity)
+
+
+def _push(t, layer, rank, rid):
+    return PushGrad(req_id=rid, step=t, layer=layer, rank=rank, slot=-1, dtype="float32")
+
+
+def _frames(t, layer, rank):
+    return [grad_of(layer, value(rank, t, layer)).view(torch.uint8).numpy()]
+
+
+def drive(h: Harness, ranks: list[Rank], choices, until=None) -> None:
+    """Move runnable ranks (or take in completions) as ``choices`` say, until every rank is
+    done or ``until()`` holds; a deadlock fails."""
+    for _ in range(20_000):
+        if until is not None and until():
+            return
+        ready = [r for r in ranks if r.runnable()]
+        if not ready:
+            h.poll()
+            if not any(r.runnable() for r in ranks):
+                if all(r.done for r in ranks) or until is not None:
+                    return
+                raise AssertionError("deadlock: nobody can move: " + "; ".join(
+                    f"rank {r.rank} at {r.actions[min(r.pc, len(r.actions)) - 1]} waiting "
+                    f"{sorted(r.waiting)}" for r in ranks) + f"; versions {h.core.store.versions}; "
+                    f"inboxes {dict(h.inbox)}")
+            continue
+        options = [*ready, None]
+        pick = options[next(choices, 0) % len(options)]
+        if pick is None:
+            h.poll()
+        else:
+            pick.act()
+    raise AssertionError("the schedule did not finish")
+
+
+def failure_free(world_size, **server) -> tuple[list[torch.Tensor], dict]:
+    h = Harness(world_size, **server)
+    try:
+        h.bootstrap()
+        ranks = [Rank(h, r, h.peer(r)) for r in range(world_size)]
+        drive(h, ranks, iter(()))
+        h.poll()
+        read = {}
+        for r in ranks:
+            read.update(r.read)
+        return [h.master(layer, STEPS) for layer in range(L)], read
+    finally:
+        h.close()
+
+
+def master(h: Harness, rank: Rank, layer: int) -> torch.Tensor:
+    h.send(rank.rank, Fetch(req_id=999, layer=layer, min_version=STEPS, which="master"),
+           peer=rank.identity)
+    out = h.take(rank.rank, 999, peer=rank.identity)
+    assert isinstance(out.msg, LayerReady) and out.msg.version == STEPS, out
+    return torch.frombuffer(bytearray(out.frames[0]), dtype=torch.float32)
+
+
+def hello(h: Harness, rank: int, identity: bytes, req_id: int):
+    h.send(rank, Hello(req_id=req_id, protocol_version=PROTOCOL_VERSION, rank=rank,
+                       world_size=h.cfg.world_size, manifest_hash=MANIFEST.hash(),
+                       transport="frames", grad_dtype="float32"), peer=identity)
+    return h.take(rank, req_id, peer=identity).msg
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world_size=st.integers(2, 3), update=st.sampled_from(["eager", "deferred"]),
+       optimizer=st.sampled_from(["sgd", "adamw"]), victim=st.integers(0, 2),
+       death=st.integers(0, 10_000), revive=st.booleans(),
+       choices=st.lists(st.integers(0, 7), max_size=300))
+def test_a_replacement_redoes_the_step_exactly(world_size, update, optimizer, victim, death,
+                                               revive, choices):
+    opt = SGD if optimizer == "sgd" else OptimizerConfig(name="adamw", lr=0.01)
+    server = dict(optimizer=opt, update=update, recovery=True, heartbeat_timeout=TIMEOUT)
+    expected, reference_reads = failure_free(world_size, **server)
+    victim %= world_size
+    h = Harness(world_size, **server)
+    try:
+        h.bootstrap()
+        ranks = [Rank(h, r, h.peer(r)) for r in range(world_size)]
+        dying = ranks[victim]
+        death %= len(dying.actions) + 1
+        picks = iter(choices)
+        drive(h, ranks, picks, until=lambda: dying.pc >= death)  # dies after its request
+        # It dies: silent from now on. The others go on as far as they can.
+        survivors = [r for r in ranks if r is not dying]
+        drive(h, survivors, picks, until=lambda: False)
+        h.now += TIMEOUT / 2
+        for r in survivors:
+            r.beat()
+        h.now += TIMEOUT / 2 + 1
+        lost = h.core.expire()
+        assert [p.rank for p in lost] == [victim]
+        if revive:  # the stopped process runs again: whatever it sends is refused
+            out_of_date = list(h.core.store.versions)
+            h.send(victim, _push(0, 0, victim, 1), _frames(0, 0, victim), peer=dying.identity)
+            assert error(h.take(victim, 1, peer=dying.identity)).code == "not_registered"
+            assert h.core.store.versions == out_of_date
+        other = b"replacement"
+        welcome = hello(h, victim, other, 77)
+        assert welcome.rejoined, welcome
+        new = Rank(h, victim, other, welcome.step, welcome.pushed, base=50_000)
+        drive(h, [*survivors, new], picks)
+        h.poll()
+        got = [master(h, new, layer) for layer in range(L)]
+    finally:
+        h.close()
+    for layer, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"layer {layer} differs"
+    for key, data in new.read.items():  # the replacement read what the failure-free run read
+        assert data == reference_reads[key], f"layer {key[0]} version {key[1]}"
+
+
+def test_without_recovery_a_replacement_that_cannot_redo_exactly_is_refused(make):
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    h.send(1, _push(0, 2, 1, 5), _frames(0, 2, 1))  # rank 1 pushed layer 2 of step 0, then died
+    h.poll()
+    assert isinstance(h.take(1, 5).msg, GradAck)
+    h.send(0, Heartbeat(req_id=6))
+    h.now = TIMEOUT + 1
+    h.send(0, Heartbeat(req_id=7))
+    assert [p.rank for p in h.core.expire()] == [1]
+    refused = hello(h, 1, b"new", 8)
+    assert isinstance(refused, Error) and "start it with --recovery" in refused.message
+    assert h.core.peers.ranks() == (0,)  # nothing registered
+
+
+def test_resume_points(make):
+    """Welcome.step and .pushed for a rank that died before, in and after its step's pushes."""
+    h = make(2, recovery=True, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    core = h.core
+    assert core.data.resume_point(1) == (0, ())
+    h.send(1, _push(0, 2, 1, 5), _frames(0, 2, 1))
+    h.poll()
+    assert core.data.resume_point(1) == (0, (2,))
+    assert core.data.resume_point(0) == (0, ())
+    for layer, rid in ((2, 10), (1, 11)):
+        h.send(0, _push(0, layer, 0, rid), _frames(0, layer, 0))
+    h.poll()  # layer 2 is updated (both pushed); layer 1 has rank 0's part only
+    assert core.store.versions == [0, 0, 1]
+    assert core.data.resume_point(1) == (0, (2,))
+    assert core.data.resume_point(0) == (0, (1, 2))
+    for layer, rid in ((1, 6), (0, 7)):
+        h.send(1, _push(0, layer, 1, rid), _frames(0, layer, 1))
+    h.poll()
+    assert core.data.resume_point(1) == (1, ())  # all of step 0 in: it goes on with step 1
+    h.send(0, _push(0, 0, 0, 12), _frames(0, 0, 0))
+    h.poll()
+    assert core.store.versions == [1, 1, 1] and core.data.resume_point(0) == (1, ())

@@ -1,0 +1,43 @@
+"""Fault injection for failure tests: ``--fault RANK:STEP:POINT[:stop]`` makes the worker of
+rank RANK kill itself with SIGKILL (or stop itself with SIGSTOP, a hung process) when its loop
+reaches POINT of step STEP; other ranks ignore it (l2l-launch passes one config to all).
+
+POINT is a visit of the L2L loop, named as in traces: F<l> (forward visit of layer l), H<l>
+(the head's forward and backward), B<l> (backward visit of layer l), or E (between steps: every
+push of the step acknowledged and the step reported). l2l-launch never passes a fault on to a
+replacement.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+_SPEC = re.compile(r"^(\d+):(\d+):([FHB]\d+|E)(?::(kill|stop))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    point: str
+    signal: int
+
+    @classmethod
+    def parse(cls, text: str, rank: int | None = None) -> Fault | None:
+        """The fault ``text`` names for ``rank`` (None: check the syntax only)."""
+        if not text:
+            return None
+        m = _SPEC.match(text)
+        if m is None:
+            raise ValueError(f"fault must be RANK:STEP:POINT[:kill|stop] with POINT F<l>, H<l>, "
+                             f"B<l> or E, got {text!r}")
+        fault = cls(int(m.group(1)), int(m.group(2)), m.group(3),
+                    signal.SIGSTOP if m.group(4) == "stop" else signal.SIGKILL)
+        return fault if rank is None or rank == fault.rank else None
+
+    def at(self, step: int, point: str) -> None:
+        if step == self.step and point == self.point:
+            os.kill(os.getpid(), self.signal)
