@@ -81,7 +81,17 @@ class ServerConfig:
     """The eps-server process."""
 
     endpoint: str = field(default_factory=default_endpoint)
-    """ZeroMQ endpoint to bind: ipc:///path (per-user 0700 directory) or tcp://127.0.0.1:PORT."""
+    """ZeroMQ endpoint to bind: ipc:///path (per-user 0700 directory) or tcp://HOST:PORT
+    (loopback, or any address with CURVE or --insecure)."""
+    curve_secret_key: str = ""
+    """CURVE: this EPS's secret key file (NAME.key_secret from l2l-ctl keygen); with
+    --curve-clients, every peer must prove it holds an allowed key."""
+    curve_clients: str = ""
+    """CURVE: a directory of the public key files (*.key) of the clients allowed to connect
+    (read at start)."""
+    insecure: bool = False
+    """Allow tcp on a non-loopback address without CURVE: anyone who can reach the port can
+    read the model and steer training (a warning is logged)."""
     world_size: int = 1
     """Number of workers whose gradients make up one step."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -149,6 +159,8 @@ class ServerConfig:
             raise ValueError("checkpoint_every needs a save path (--server-save)")
         if not 0.1 <= self.heartbeat_timeout <= 86400:
             raise ValueError("heartbeat_timeout must be in [0.1, 86400] seconds")
+        if bool(self.curve_secret_key) != bool(self.curve_clients):
+            raise ValueError("CURVE needs both curve_secret_key and curve_clients")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
 

@@ -3,8 +3,9 @@
 A server started with ``--load`` makes its core from the checkpoint before it listens. Else
 the first worker's Hello carries the model's manifest: the lobby checks it, creates the model
 (every shared-memory region, or none) and hands that Hello to the new core, which registers the
-worker as the *initialiser*. Until then the lobby answers Status and SetHyper (applied to the
-settings the core will start with) and refuses the rest.
+worker as the *initialiser*. Until then the lobby answers Status, SetHyper (applied to the
+settings the core will start with) and observers' Hellos (handed to the core), and refuses the
+rest.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 
 from protocol.messages import (
     REQUESTS,
+    Ack,
     Hello,
     HyperAck,
     Message,
@@ -28,11 +30,13 @@ from .config import ServerConfig, with_changes
 from .core import EpsCore
 from .errors import RequestError
 from .layer_store import LayerStore
-from .peers import check_control, check_hello
+from .peers import Peer, check_control, check_hello
 from .replies import Out, error_out
 from .stats import EpsStats, peak_memory_bytes
 
 log = logging.getLogger("eps_server")
+
+MAX_OBSERVERS = 256  # control clients remembered before the model exists
 
 
 def create_core(cfg: ServerConfig, manifest: Manifest, run_id: str, **kw) -> EpsCore:
@@ -73,20 +77,29 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
 class Lobby:
     def __init__(self, cfg: ServerConfig, run_id: str, stats: EpsStats, **core_kw):
         self.cfg, self.run_id, self.stats, self.core_kw = cfg, run_id, stats, core_kw
+        self.observers: dict[bytes, Peer] = {}
 
-    def handle(self, peer: bytes, msg: Message, frames) -> tuple[EpsCore | None, list[Out]]:
-        """(the new core if this request created the model, else None; the replies)."""
+    def handle(self, peer: bytes, msg: Message, frames, key: bytes = b""
+               ) -> tuple[EpsCore | None, list[Out]]:
+        """(the new core if this request created the model, else None; the replies);
+        ``key``: the peer's CURVE public key, if any."""
         try:
+            if isinstance(msg, Hello) and msg.role == "observer":
+                check_hello(self.cfg, msg)
+                if len(self.observers) >= MAX_OBSERVERS:  # they never say Bye: forget the oldest
+                    del self.observers[next(iter(self.observers))]
+                self.observers[peer] = Peer(peer, -1, None, "", msg.pid, key)
+                return None, [Out(peer, Ack(req_id=msg.req_id))]
             if isinstance(msg, Hello):
-                return self._hello(peer, msg, frames)
-            return None, [self._other(peer, msg)]
+                return self._hello(peer, msg, frames, key)
+            return None, [self._other(peer, msg, key)]
         except RequestError as e:
             return None, [error_out(peer, msg.req_id, e.code, str(e), e.field)]
         except Exception as e:  # a bug: report it, keep serving
             log.exception("internal error handling %s", type(msg).__name__)
             return None, [error_out(peer, msg.req_id, "internal", f"{type(e).__name__}: {e}")]
 
-    def _hello(self, peer: bytes, msg: Hello, frames):
+    def _hello(self, peer: bytes, msg: Hello, frames, key: bytes):
         check_hello(self.cfg, msg)
         if msg.manifest is None:
             raise RequestError("not_ready", "the server has no model yet: the first worker "
@@ -102,9 +115,11 @@ class Lobby:
         except (RuntimeError, ValueError) as e:
             raise RequestError("bad_request", f"cannot hold this model: {e}",
                                "manifest") from None
-        return core, core.handle(peer, msg, frames)
+        for observer in self.observers.values():
+            core.peers.register(observer)
+        return core, core.handle(peer, msg, frames, key)
 
-    def _other(self, peer: bytes, msg: Message) -> Out:
+    def _other(self, peer: bytes, msg: Message, key: bytes) -> Out:
         if isinstance(msg, Status):
             return Out(peer, StatusReply(
                 req_id=msg.req_id, run_id=self.run_id, step=0, versions=(),
@@ -112,14 +127,14 @@ class Lobby:
                 stats={**self.stats.snapshot(), **peak_memory_bytes(),
                        "lr": self.cfg.optimizer.lr}))
         if isinstance(msg, SetHyper):
-            check_control(self.cfg, False)
+            check_control(self.cfg, peer in self.observers)
             try:
                 self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
             except (ValueError, TypeError) as e:
                 raise RequestError("bad_request", str(e), "changes") from None
             return Out(peer, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))
         if isinstance(msg, Save):
-            check_control(self.cfg, False)
+            check_control(self.cfg, peer in self.observers)
             try:
                 checkpoint.check_target(msg.path)
             except ValueError as e:

@@ -156,7 +156,8 @@ def version_text(client_version) -> str:
 
 
 def check_control(cfg: ServerConfig, registered: bool) -> None:
-    """Control requests (Save, SetHyper) come from this job's workers, or over ipc, where the
-    socket directory's permissions already restrict peers to this user."""
+    """Control requests (Save, SetHyper) come from a peer that said Hello (a worker, or an
+    observer: with CURVE, one holding an allowed key), or over ipc, where the socket directory's
+    permissions already restrict peers to this user."""
     if not registered and not cfg.endpoint.startswith("ipc://"):
         raise RequestError("not_registered", "control requests over tcp need a Hello first")

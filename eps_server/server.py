@@ -19,7 +19,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocol import codec
+from protocol import codec, curve
 from protocol.endpoints import check_bind, remove_ipc
 from protocol.events import EventWriter, PeerLost, Ready, ServerStats
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
@@ -53,6 +53,7 @@ class EpsServer:
         self.lobby = Lobby(cfg, self.run_id, **self._core_kw)
         self._lobby = asyncio.Lock()
         self._lock: RunLock | None = None
+        self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -70,7 +71,10 @@ class EpsServer:
                 pass
         if self.cfg.save:
             checkpoint.check_target(self.cfg.save)  # refuse before training, not after
-        check_bind(self.cfg.endpoint)
+        if warning := check_bind(self.cfg.endpoint, bool(self.cfg.curve_secret_key),
+                                 self.cfg.insecure):
+            log.warning(warning)
+        curve.check_server_options(self.cfg.curve_secret_key, self.cfg.curve_clients)
         self._lock = RunLock(self.run_id)  # before any region: ours are never "orphaned"
         if stale := self._lock.remove_stale():
             log.warning("removed %d shared-memory regions left by an earlier server of run %s",
@@ -87,6 +91,9 @@ class EpsServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable reply is an error
         self.sock.setsockopt(zmq.SNDHWM, HWM)
         self.sock.setsockopt(zmq.RCVHWM, HWM)
+        if self.cfg.curve_secret_key:
+            self._auth = curve.serve(ctx, self.sock, self.cfg.curve_secret_key,
+                                     self.cfg.curve_clients)
         remove_ipc(self.cfg.endpoint)  # a stale socket file from a killed server
         self.sock.bind(self.cfg.endpoint)
         self.events.emit(Ready(endpoint=self.cfg.endpoint, run_id=self.run_id, pid=os.getpid()))
@@ -107,6 +114,8 @@ class EpsServer:
             self.events.emit(ServerStats(stats=stats))
             self.events.close()
             self.sock.close()
+            if self._auth is not None:
+                self._auth.stop()
             ctx.term()
             remove_ipc(self.cfg.endpoint)
 
@@ -154,6 +163,7 @@ class EpsServer:
 
     async def _dispatch(self, identity: bytes, frames: list) -> list[Out]:
         self.stats.messages += 1
+        key = curve.peer_key(frames) if self._auth is not None else b""
         try:  # only a Hello's body may be large: decoding it never stalls the loop
             big = len(frames) > 1 and len(frames[1]) > OFF_LOOP_BYTES
             msg, tensor_frames = (await asyncio.to_thread(codec.decode, frames) if big
@@ -163,12 +173,12 @@ class EpsServer:
             log.warning("bad message from %s: %s", identity.hex(), e)
             return [Out(identity, decode_error(frames, e))]
         if self.core is not None:
-            return self.core.handle(identity, msg, tensor_frames)
+            return self.core.handle(identity, msg, tensor_frames, key)
         async with self._lobby:  # creating a model (shared memory) takes time: off the loop
             if self.core is not None:
-                return self.core.handle(identity, msg, tensor_frames)
+                return self.core.handle(identity, msg, tensor_frames, key)
             core, outs = await asyncio.to_thread(self.lobby.handle, identity, msg,
-                                                 tensor_frames)
+                                                 tensor_frames, key)
         if core is not None and self._stop.is_set():  # created while stopping: undo
             core.close(final_save=False)
         else:

@@ -5,9 +5,11 @@
                                                   change hyperparameters from the next update
     l2l-ctl [--endpoint E] save DIR               checkpoint at the next step boundary
     l2l-ctl cleanup [--dry-run]                   remove shared memory left by dead servers
+    l2l-ctl keygen DIR NAME                       write a CURVE key pair (NAME.key, .key_secret)
 
-Control requests are accepted over the server's ipc socket (its directory is readable only by
-the server's user); over tcp only a registered worker may send them.
+l2l-ctl says Hello as an observer: it never takes or evicts a worker's rank. Over tcp with
+CURVE, give --curve-server-key (the EPS's NAME.key) and --curve-key (this client's
+NAME.key_secret, whose public half is among the EPS's --curve-clients).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import sys
 
+from protocol import curve
 from protocol.endpoints import default_endpoint
 from protocol.messages import Save, SetHyper
 from protocol.shm import orphaned, remove_orphans
@@ -36,7 +39,9 @@ def parse_value(text: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="l2l-ctl", description=__doc__.split("\n")[0])
     p.add_argument("--endpoint", default=default_endpoint())
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a reply")
+    p.add_argument("--curve-server-key", default="", help="CURVE: the EPS's public key file")
+    p.add_argument("--curve-key", default="", help="CURVE: this client's secret key file")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status")
     s = sub.add_parser("set")
@@ -46,15 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("cleanup", help="remove this user's shared-memory regions whose "
                        "eps-server is gone (a live server's regions are never touched)")
     c.add_argument("--dry-run", action="store_true", help="only list them")
+    k = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public, give it to "
+                       "the other side) and DIR/NAME.key_secret (mode 0600, keep it)")
+    k.add_argument("dir")
+    k.add_argument("name")
     a = p.parse_args(argv)
     if a.command == "cleanup":
         return cleanup(a.dry_run)
+    if a.command == "keygen":
+        public, secret = curve.generate(a.dir, a.name)
+        print(json.dumps({"public": public, "secret": secret}, indent=1))
+        return 0
     try:
-        client = EpsClient(a.endpoint, timeout=a.timeout)
+        client = EpsClient(a.endpoint, timeout=a.timeout,
+                           curve=curve.client_keys(a.curve_server_key, a.curve_key))
     except ValueError as e:
         print(f"l2l-ctl: {e}", file=sys.stderr)
         return 1
     try:
+        client.observe()
         if a.command == "status":
             r = client.status()
             out = {"run_id": r.run_id, "step": r.step, "world_size": r.world_size,

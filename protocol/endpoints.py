@@ -2,8 +2,9 @@
 
 - Default: an ipc:// socket in a per-user directory with mode 0700, so only this user can
   connect (file permissions are the authentication on one box).
-- tcp:// binds are allowed on loopback only. Binding a routable address would expose a port
-  that accepts unauthenticated control of the training state, so it is refused.
+- tcp:// on loopback: any local user can connect (the EPS still refuses a rank held by a live
+  worker, and control requests before a Hello). A routable address needs CURVE (protocol/curve.py:
+  every peer proves it holds an allowed key), or an explicit --insecure, which is logged.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_bind(endpoint: str) -> None:
+def check_bind(endpoint: str, authenticated: bool = False, insecure: bool = False) -> str | None:
     """Raise ValueError if binding ``endpoint`` would break the security defaults; for ipc://,
-    create its directory (mode 0700) and refuse a directory other users can enter."""
+    create its directory (mode 0700) and refuse a directory other users can enter. Returns a
+    warning to log when ``insecure`` is what allowed the bind."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
         if not path.startswith("/"):
@@ -42,14 +44,18 @@ def check_bind(endpoint: str) -> None:
         st = os.stat(parent)
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise ValueError(f"ipc directory {parent} must be owned by this user with mode 0700")
-        return
+        return None
     if endpoint.startswith("tcp://"):
         host = urlsplit(endpoint).hostname or ""
-        if not is_loopback_host(host):
-            raise ValueError(
-                f"refusing to bind {endpoint}: tcp on a non-loopback address would accept "
-                "unauthenticated peers; bind 127.0.0.1 or an ipc:// path")
-        return
+        if is_loopback_host(host) or authenticated:
+            return None
+        if insecure:
+            return (f"{endpoint} accepts unauthenticated peers (--insecure): anyone who can "
+                    "reach this port can read the model and steer its training")
+        raise ValueError(
+            f"refusing to bind {endpoint}: tcp on a non-loopback address needs CURVE "
+            "authentication (--curve-secret-key and --curve-clients; keys from l2l-ctl keygen), "
+            "or --insecure to accept anyone who can reach it; or bind 127.0.0.1 or an ipc:// path")
     raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:///path or tcp://127.0.0.1:PORT")
 
 

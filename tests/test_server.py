@@ -246,9 +246,10 @@ def test_bye_needs_the_peers_own_rank(client, tmp_path):
     assert os.path.exists(os.path.join(resolve(str(tmp_path / "ckpt")), "master.safetensors"))
 
 
-def test_control_over_tcp_needs_a_worker(cluster, tmp_path):
-    """On a tcp endpoint (loopback: any local user can connect) only the job's workers may make
-    the server write files or change hyperparameters."""
+def test_control_over_tcp_needs_a_hello_and_an_observer_takes_no_rank(cluster, tmp_path):
+    """On a tcp endpoint (loopback without CURVE: any local user can connect) only peers that
+    said Hello may make the server write files or change hyperparameters; a control client
+    says Hello as an observer, which holds no rank."""
     import socket as pysocket
 
     with pysocket.socket() as s:
@@ -256,15 +257,20 @@ def test_control_over_tcp_needs_a_worker(cluster, tmp_path):
         port = s.getsockname()[1]
     cluster.endpoint = f"tcp://127.0.0.1:{port}"
     cluster.start_server(1)
-    c = EpsClient(cluster.endpoint, timeout=20)
+    c, w = EpsClient(cluster.endpoint, timeout=20), EpsClient(cluster.endpoint, timeout=20)
     try:
         refused(lambda: c.save(str(tmp_path / "ckpt")), "not_registered")
         refused(lambda: c.call(SetHyper, changes={"lr": 0.5}), "not_registered")
         assert not (tmp_path / "ckpt").exists()
-        bootstrap(c)
+        c.observe()  # before the model exists: the lobby remembers it
         assert c.call(SetHyper, changes={"lr": 0.5}).optimizer["lr"] == 0.5
+        bootstrap(w)
+        assert c.call(SetHyper, changes={"lr": 0.25}).optimizer["lr"] == 0.25
+        refused(lambda: c.call(Fetch, layer=0, min_version=0), "bad_request")  # no worker
+        assert c.status().ranks == (0,)
     finally:
         c.close()
+        w.close()
 
 
 def test_a_restarted_initialiser_sends_only_the_missing_layers(cluster):

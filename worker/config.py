@@ -107,6 +107,12 @@ class WorkerConfig:
 
     endpoint: str = field(default_factory=default_endpoint)
     """The eps-server's ZeroMQ endpoint."""
+    curve_server_key: str = ""
+    """CURVE: the EPS's public key file (NAME.key from l2l-ctl keygen), for a tcp endpoint
+    that requires CURVE; with --curve-key."""
+    curve_key: str = ""
+    """CURVE: this worker's secret key file (NAME.key_secret, mode 0600); its public half must
+    be in the EPS's --curve-clients directory."""
     rank: int = 0
     """This worker's rank in [0, world_size): it runs global micro-batches [rank*u, (rank+1)*u)."""
     world_size: int = 1
@@ -177,6 +183,8 @@ class WorkerConfig:
         if self.threads < 1 or not self.eps_timeout > 0 or self.stall_timeout < 0:
             raise ValueError("threads must be >= 1, eps_timeout > 0 and stall_timeout >= 0")
         Fault.parse(self.fault)
+        if bool(self.curve_server_key) != bool(self.curve_key):
+            raise ValueError("CURVE needs both curve_server_key and curve_key")
 
     @property
     def global_micro_batches(self) -> int:

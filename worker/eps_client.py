@@ -3,7 +3,8 @@
 One I/O thread owns the ZeroMQ DEALER socket; any thread may call. Every call returns a
 ``concurrent.futures.Future`` resolved with the reply (or an ``EpsError``), so the executor can
 have fetches and pushes in flight while it computes. A socket monitor notices the server
-going away: every pending call then fails with ``EpsDisconnected`` instead of hanging.
+going away, or refusing this client's CURVE handshake: every pending call then fails with
+``EpsDisconnected`` instead of hanging.
 
 Once joined, the I/O thread sends a Heartbeat every ``heartbeat_interval`` (Welcome) while the
 worker makes progress (a request, or ``tick()``, within ``stall_timeout``): a worker whose loop
@@ -13,6 +14,7 @@ answers a heartbeat with "not_registered", this worker was declared dead: every 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -26,6 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol import codec
+from protocol.curve import HANDSHAKE_FAILED, ClientKeys, handshake_failure
 from protocol.endpoints import check_connect
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -62,10 +65,11 @@ class EpsDisconnected(ConnectionError):
 
 
 class EpsClient:
-    def __init__(self, endpoint: str, timeout: float = 600.0):
+    def __init__(self, endpoint: str, timeout: float = 600.0, curve: ClientKeys | None = None):
         check_connect(endpoint)
         self.endpoint = endpoint
         self.timeout = timeout
+        self._curve = curve
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
@@ -178,26 +182,36 @@ class EpsClient:
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 2000)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                          | HANDSHAKE_FAILED)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        # Sends never block (a DEALER with no connected peer would, forever): what the socket
+        # does not take waits here, and the poller says when it can take more.
+        backlog: collections.deque = collections.deque()
         try:
             while not self._closed:
                 wait = None
                 if self._beat_every:
                     now = time.monotonic()
                     if now >= self._next_beat:
-                        self._beat(sock, now)
+                        self._beat(backlog, now)
                     wait = max(1, int(1000 * (self._next_beat - now)))
-                for item, _ in poller.poll(wait):
+                for item, events in poller.poll(wait):
                     if item is sock:
-                        self._on_reply(sock.recv_multipart(copy=False))
+                        if events & zmq.POLLIN:
+                            self._on_reply(sock.recv_multipart(copy=False))
                     elif item is monitor:
                         event = recv_monitor_message(monitor)["event"]
-                        if event == zmq.EVENT_DISCONNECTED:
+                        if event & HANDSHAKE_FAILED:  # before the disconnection it causes
+                            self._on_lost(f"{self.endpoint}: " + handshake_failure(
+                                event, self._curve is not None))
+                        elif event == zmq.EVENT_DISCONNECTED:
                             self._on_lost("the EPS closed the connection (server exited?)")
                     else:
                         try:
@@ -206,19 +220,30 @@ class EpsClient:
                             pass
                         while True:
                             try:
-                                wire = self._outbox.get_nowait()
+                                backlog.append(self._outbox.get_nowait())
                             except queue.Empty:
                                 break
-                            sock.send_multipart(wire, copy=False)
+                while backlog:
+                    try:
+                        sock.send_multipart(backlog[0], flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    backlog.popleft()
+                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if backlog else 0))
         except Exception as e:  # a broken socket: fail every caller rather than hang them
             log.exception("EPS client I/O thread failed")
             self._on_lost(f"client I/O failed: {e}")
         finally:
-            sock.disable_monitor()
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
             monitor.close(0)
-            sock.close()
+            # Lost: nothing queued can be delivered (and lingering on a connection whose
+            # handshake keeps failing can hold up the context's termination).
+            sock.close(0 if self._lost else None)
 
-    def _beat(self, sock, now: float) -> None:
+    def _beat(self, backlog, now: float) -> None:
         self._next_beat = now + self._beat_every
         if self._stall_timeout and now - self._progress > self._stall_timeout:
             if not self._stalled:
@@ -226,12 +251,14 @@ class EpsClient:
                 log.error("no progress for %.0f s: heartbeats stopped, the EPS will declare "
                           "this worker dead", now - self._progress)
             return
+        if backlog:
+            return  # the connection is not taking messages: the queued ones go first
         fut: Future = Future()
         req_id = next(self._ids)
         with self._lock:
             self._pending[req_id] = fut
         fut.add_done_callback(self._beat_answered)
-        sock.send_multipart(codec.encode(Heartbeat(req_id=req_id)), copy=False)
+        backlog.append(codec.encode(Heartbeat(req_id=req_id)))
 
     def _beat_answered(self, fut: Future) -> None:
         e = fut.exception()
@@ -257,7 +284,8 @@ class EpsClient:
 
     def _on_lost(self, why: str) -> None:
         with self._lock:
-            self._lost = why
+            self._lost = self._lost or why  # the first cause (a disconnection follows others)
+            why = self._lost
         self._fail_all(EpsDisconnected(why))
 
     def _fail_all(self, exc: Exception) -> None:

@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 import torch
 
+from protocol.curve import client_keys
 from protocol.events import EvalDone, EventWriter, Joined, StepDone
 from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
@@ -77,6 +78,7 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
 def run_worker(args: WorkerArgs) -> dict:
     """Train; returns this worker's summary (also written to --summary-json)."""
     cfg, mcfg = args.worker, args.model
+    keys = client_keys(cfg.curve_server_key, cfg.curve_key)  # a bad key fails before any work
     torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     if device.type == "cuda":
@@ -88,7 +90,7 @@ def run_worker(args: WorkerArgs) -> dict:
     evalset = build_eval(model, args.data, cfg.micro_batch_size, cfg.rank, cfg.world_size)
     manifest = model.manifest()
     layout = plan_layout(manifest)
-    client = EpsClient(cfg.endpoint, cfg.eps_timeout)
+    client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
     events = EventWriter(cfg.events)
     source = welcome = None
     tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
