@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bootstrap, memory, optimizer, scale, speed, transfer
+from . import bootstrap, load, memory, optimizer, scale, speed, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "scale": (scale.add_args, scale.scale),
     "optimizer": (optimizer.add_args, optimizer.optimizer),
     "bootstrap": (bootstrap.add_args, bootstrap.bootstrap),  # needs transformers
+    "load": (load.add_args, load.load),
 }
 EXTRA = ("scale", "bootstrap")  # long, or needing optional packages: not part of "all"
 

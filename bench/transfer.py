@@ -41,10 +41,10 @@ def _manifest(layers: int, numel: int) -> Manifest:
         TensorSpec(name="w", shape=(numel,)),)) for i in range(layers)), meta={"bench": 1})
 
 
-def _server(endpoint: str, events: str):
+def _server(endpoint: str, events: str, *extra: str):
     p = subprocess.Popen([sys.executable, "-m", "eps_server", "--endpoint", endpoint,
                           "--run-id", "b" + secrets.token_hex(4), "--log-level", "WARNING",
-                          "--events", events], env=ENV)
+                          "--events", events, *extra], env=ENV)
     wait_for(events, Ready, p)
     return p
 

@@ -304,3 +304,32 @@ def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(client, tmp_pa
     client.save(str(tmp_path / "ckpt"))
     client.save(str(tmp_path / "ckpt"))  # a checkpoint is replaced by the next one
     assert os.path.exists(os.path.join(resolve(str(tmp_path / "ckpt")), "state.json"))
+
+
+def test_a_worker_whose_loop_stalls_stops_its_heartbeats_and_is_declared_dead(cluster):
+    """The I/O thread beats only while the loop makes progress (tick or a request): a stuck
+    loop falls silent and the EPS frees its rank; the worker is then told it was dropped."""
+    cluster.start_server(1, "--heartbeat-timeout", "0.5")
+    w, ctl = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
+    try:
+        ctl.observe()
+        welcome = bootstrap(w)
+        w.start_heartbeats(welcome.heartbeat_interval, stall_timeout=1.0)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # progressing for 4 heartbeat timeouts
+            w.tick()
+            time.sleep(0.05)
+            assert ctl.status().ranks == (0,)
+        stalled = time.monotonic()
+        while ctl.status().ranks == (0,):
+            assert time.monotonic() - stalled < 10, "a stalled worker was never declared dead"
+            time.sleep(0.05)
+        # Silent after the stall timeout (1 s), then dead after the heartbeat timeout (0.5 s).
+        assert time.monotonic() - stalled >= 1.0
+        with pytest.raises(EpsDisconnected, match="declared dead"):
+            w.status()  # its next heartbeat or request is refused: not_registered
+            time.sleep(2)
+            w.status()
+    finally:
+        w.close()
+        ctl.close()
