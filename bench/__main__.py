@@ -23,6 +23,7 @@ BENCHMARKS = {
     "optimizer": (optimizer.add_args, optimizer.optimizer),
     "bootstrap": (bootstrap.add_args, bootstrap.bootstrap),  # needs transformers
     "load": (load.add_args, load.load),
+    "recovery": (speed.add_args, speed.recovery),
 }
 EXTRA = ("scale", "bootstrap")  # long, or needing optional packages: not part of "all"
 

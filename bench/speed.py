@@ -19,7 +19,7 @@ import torch
 
 from worker.config import ModelConfig
 
-from .common import check, l2l_job, steady_step_seconds, table
+from .common import check, l2l_job, median, steady_step_seconds, table
 from .local import local_l2l_step_seconds, resident_step_seconds
 
 
@@ -34,6 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=6, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (the worker gets cuda:0)")
+    p.add_argument("--rounds", type=int, default=3, help="recovery: jobs per configuration")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every configuration's compute (worker or baseline)")
 
@@ -117,4 +118,33 @@ def innerloop(a) -> dict:
         "ratios": {f"l2l_vs_resident_u{u}": v["l2l_samples_per_sec"] /
                    v["resident_samples_per_sec"] for u, v in out.items()},
         "targets": [],
+    }
+
+
+def recovery(a) -> dict:
+    """The cost of exact recovery (--recovery, which l2l-launch --max-restarts turns on): the
+    EPS copies each layer's served version aside before updating it. Jobs with and without it
+    alternate, a.rounds times each."""
+    u, times, shmem = a.micro_batches, {False: [], True: []}, {False: [], True: []}
+    params = 0
+    for _ in range(a.rounds):
+        for on in (False, True):
+            s = l2l_job(model_argv(a, u), steps=a.warmup + a.steps,
+                        server=["--recovery"] if on else [])
+            times[on].append(steady_step_seconds(s, a.warmup))
+            shmem[on].append(s["eps"]["rssshmem_bytes"])
+            params = s["eps"]["params"]
+    off, on = median(times[False]), median(times[True])
+    extra = (median(shmem[True]) - median(shmem[False])) / params
+    rows = [["without recovery", off, 1.0, median(shmem[False]) / 2**20],
+            ["with --recovery", on, on / off, median(shmem[True]) / 2**20]]
+    return {
+        "table": table(f"recovery: {a.model} L={a.layers} H={a.hidden} u={u} "
+                       f"({params / 1e6:.1f}M params, fp32, {a.rounds} rounds)",
+                       ["config", "s/step", "vs without", "EPS shared MiB"], rows),
+        "step_seconds": {"without": off, "with": on},
+        "ratios": {"step_time_with_recovery": on / off},
+        "extra_shared_bytes_per_param": extra,
+        "targets": [check("step time with recovery / without", on / off, "<=", 1.05),
+                    check("extra EPS shared memory, bytes/param", extra, "<=", 4.5)],
     }
