@@ -169,8 +169,10 @@ class EpsCore:
             self._gone(peer, f"nothing heard for {self.cfg.heartbeat_timeout:g} s")
 
     def _gone(self, peer: Peer, why: str) -> None:
-        who = f"rank {peer.rank}" if peer.worker else "observer"
-        log.warning("%s (pid %d) declared dead: %s", who, peer.pid, why)
+        if peer.worker:
+            log.warning("rank %d (pid %d) declared dead: %s", peer.rank, peer.pid, why)
+        else:  # a control client that left without Bye: routine
+            log.info("observer (pid %d) gone: %s", peer.pid, why)
         self.data.board.drop(peer.identity)  # nobody reads those replies
         self.waiting.forget(peer.identity)
         self._lost.append(peer)

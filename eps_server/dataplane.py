@@ -58,6 +58,7 @@ class DataPlane:
                                f"version {want} is more than one step ahead", "min_version")
         replaced = want == current and self.parts.all_claimed(layer)  # its update is due
         if self._retaining(msg):
+            replaced = replaced or (want == current and self.parts.has(layer, peer.rank))
             if want < current - 1:
                 raise RequestError("bad_request", f"version {want} of layer {layer} is gone "
                                    f"(the layer is at version {current})", "min_version")
@@ -74,7 +75,8 @@ class DataPlane:
                                "replaced: every worker has pushed its gradient", "min_version")
         if self.board.ready(layer, want) and not replaced:
             return [self._layer_ready(identity, msg)]
-        self.board.wait(Waiter(identity, msg, layer, want))  # replaced: retained once published
+        # Replaced: once the update is done, from the retained copy (never while it rewrites).
+        self.board.wait(Waiter(identity, msg, layer, want, retained=replaced))
         return []
 
     def _retaining(self, msg: Fetch) -> bool:
@@ -123,7 +125,8 @@ class DataPlane:
         skipped = self.parts.reset(layer)
         if self.board.set(layer, version):
             self.scheduler.step_completed(self.board.step)
-        outs = [self._layer_ready(w.peer, w.request) for w in self.board.answerable()]
+        outs = [self._layer_ready(w.peer, w.request, w.retained)
+                for w in self.board.answerable()]
         if skipped:
             self.scheduler.skipped(layer, version)
         self.scheduler.boundary()

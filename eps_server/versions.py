@@ -21,6 +21,9 @@ class Waiter:
     request: Any  # the Fetch
     layer: int
     version: int
+    # Recovery: ``version`` is being replaced; answer (from the retained copy) once the layer
+    # has moved past it, i.e. once its update is done, never while it is being rewritten.
+    retained: bool = False
 
 
 class VersionBoard:
@@ -50,10 +53,16 @@ class VersionBoard:
 
     def answerable(self) -> list[Waiter]:
         """Remove and return the waiters whose version now exists."""
-        ready = [w for w in self._waiters if self.ready(w.layer, w.version)]
+        ready = [w for w in self._waiters if self._due(w)]
         if ready:
-            self._waiters = [w for w in self._waiters if not self.ready(w.layer, w.version)]
+            self._waiters = [w for w in self._waiters if not self._due(w)]
         return ready
+
+    def _due(self, w: Waiter) -> bool:
+        if w.retained:
+            return self.versions[w.layer] > w.version and (not self.gate_on_step
+                                                            or self.step >= w.version)
+        return self.ready(w.layer, w.version)
 
     def drop(self, peer: bytes | None = None) -> list[Waiter]:
         """Remove and return the waiters of ``peer`` (of everyone if None)."""

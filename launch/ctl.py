@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             # A checkpoint waits for the current step to finish: allow it an hour.
             client.wait(client.request(Save, path=os.path.abspath(a.path)), timeout=3600)
             out = {"saved": a.path}
+        client.bye(0, done=False)  # an observer leaves (else it is dropped after the timeout)
     except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:
         print(f"l2l-ctl: {e}", file=sys.stderr)
         return 1

@@ -109,6 +109,7 @@ def test_an_authorised_worker_trains_over_tcp_and_a_control_client_evicts_nobody
     assert secure.wait(secure.server, 60) == 0
     log = secure.log(secure.server)
     assert "declared dead" not in log and "replaces" not in log, log
+    assert "observer (pid" not in log, log  # each l2l-ctl said Bye
 
 
 def test_a_live_rank_is_not_taken_over_but_its_own_key_may_replace_it(secure, keys):

@@ -260,3 +260,37 @@ def test_resume_points(make):
     h.send(0, _push(0, 0, 0, 12), _frames(0, 0, 0))
     h.poll()
     assert core.store.versions == [1, 1, 1] and core.data.resume_point(0) == (1, ())
+
+
+def test_a_replacement_waiting_for_a_layer_under_update_gets_the_version_it_replaces(make):
+    """Layers 2 and 1 are being updated (sent to the engines, not done) when the replacement
+    asks for layer 1's version 0; layer 2's update finishes first. The answer must wait for
+    layer 1's update and come from the retained copy: never the bytes the update rewrites."""
+    h = make(2, optimizer=SGD, recovery=True, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    before = bytes(h.master(1, 0).numpy())
+    held, submit = [], h.core.engines.submit
+    h.core.engines.submit = lambda job: held.append(job) if type(job).__name__ == "Update" \
+        else submit(job)
+    for req_id, layer in ((11, 2), (12, 1)):  # rank 1 pushes two layers, then dies
+        h.send(1, _push(0, layer, 1, req_id), _frames(0, layer, 1))
+    h.poll()
+    h.now += TIMEOUT + 1
+    h.send(0, Heartbeat(req_id=13))  # rank 0 is alive
+    h.core.expire()
+    welcome = hello(h, 1, b"new-1", 20)
+    assert (welcome.step, welcome.pushed) == (0, (1, 2))
+    for req_id, layer in ((21, 2), (22, 1)):
+        h.send(0, _push(0, layer, 0, req_id), _frames(0, layer, 0))
+    h.poll()
+    assert [job.layer for job in held] == [2, 1]  # both updates sent, neither done
+    h.send(1, Fetch(req_id=30, layer=1, min_version=0), peer=b"new-1")
+    submit(held.pop(0))  # layer 2's update finishes
+    h.poll()
+    assert h.take(1, 30, peer=b"new-1") is None, "answered while layer 1 was being rewritten"
+    submit(held.pop(0))
+    h.poll()
+    out = h.take(1, 30, peer=b"new-1")
+    assert isinstance(out.msg, LayerReady) and out.msg.version == 0
+    assert bytes(out.frames[0]) == before
+    assert bytes(h.master(1, 1).numpy()) != before  # the layer itself did move on

@@ -333,3 +333,21 @@ def test_a_worker_whose_loop_stalls_stops_its_heartbeats_and_is_declared_dead(cl
     finally:
         w.close()
         ctl.close()
+
+
+def test_a_worker_waiting_for_the_eps_is_not_stalled(cluster):
+    """Blocked in a wait for a version the EPS has not made yet (another rank is slow), the
+    loop makes no progress of its own, but its heartbeats go on: it is not declared dead."""
+    cluster.start_server(1, "--heartbeat-timeout", "0.5")
+    w, ctl = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
+    try:
+        ctl.observe()
+        welcome = bootstrap(w)
+        w.start_heartbeats(welcome.heartbeat_interval, stall_timeout=1.0)
+        fut = w.fetch(0, 1)  # version 1 needs a push nobody sends
+        with pytest.raises(TimeoutError):
+            w.wait(fut, timeout=3.0)  # 3x the stall timeout
+        assert ctl.status().ranks == (0,)
+    finally:
+        w.close()
+        ctl.close()

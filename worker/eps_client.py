@@ -7,9 +7,10 @@ going away, or refusing this client's CURVE handshake: every pending call then f
 ``EpsDisconnected`` instead of hanging.
 
 Once joined, the I/O thread sends a Heartbeat every ``heartbeat_interval`` (Welcome) while the
-worker makes progress (a request, or ``tick()``, within ``stall_timeout``): a worker whose loop
-is stuck (a deadlock, a hung device) falls silent and the EPS declares it dead. If the EPS
-answers a heartbeat with "not_registered", this worker was declared dead: every call fails.
+worker makes progress (a request or ``tick()`` within ``stall_timeout``, or waiting for a reply
+the EPS owes it): a worker whose loop is stuck (a deadlock, a hung device) falls silent and the
+EPS declares it dead. If the EPS answers a heartbeat with "not_registered", this worker was
+declared dead: every call fails.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class EpsClient:
         self._next_beat = 0.0
         self._progress = time.monotonic()
         self._stalled = False
+        self._loop = None  # the thread of the worker's loop (start_heartbeats' caller)
+        self._loop_waits = 0  # > 0 while that thread is blocked in wait(): the EPS owes it
         self._thread = threading.Thread(target=self._run, name="eps-client", daemon=True)
         self._thread.start()
 
@@ -111,11 +114,18 @@ class EpsClient:
         return self.wait(fut)[0]
 
     def wait(self, fut: Future, timeout: float | None = None):
+        loop = threading.get_ident() == self._loop
+        if loop:  # only the loop's thread writes the count
+            self._loop_waits += 1
         try:
             return fut.result(timeout if timeout is not None else self.timeout)
         except TimeoutError:
             raise TimeoutError(f"no reply from the EPS at {self.endpoint} within "
                                f"{timeout or self.timeout:.0f} s") from None
+        finally:
+            if loop:
+                self._loop_waits -= 1
+                self._progress = time.monotonic()
 
     def hello(self, *, rank: int, world_size: int, manifest: Manifest, transport: str,
               grad_dtype: str, send_manifest: bool = True, timeout: float | None = None,
@@ -132,8 +142,11 @@ class EpsClient:
                                pid=os.getpid(), host=socket.gethostname()), timeout)
 
     def start_heartbeats(self, interval: float, stall_timeout: float = 0.0) -> None:
-        """Send a Heartbeat every ``interval`` s while the caller makes progress (a request or
-        ``tick()`` within ``stall_timeout`` s; 0: always)."""
+        """Send a Heartbeat every ``interval`` s while the calling thread (the worker's loop)
+        makes progress: a request or ``tick()`` within ``stall_timeout`` s (0: always), or it
+        is blocked in ``wait()`` (the EPS owes it a reply; it never waits for what only it can
+        cause, so that is not a hang of its own)."""
+        self._loop = threading.get_ident()
         self._stall_timeout = stall_timeout
         self._next_beat = time.monotonic() + interval
         self._beat_every = interval
@@ -201,6 +214,7 @@ class EpsClient:
                     now = time.monotonic()
                     if now >= self._next_beat:
                         self._beat(backlog, now)
+                        self._flush(sock, backlog)
                     wait = max(1, int(1000 * (self._next_beat - now)))
                 for item, events in poller.poll(wait):
                     if item is sock:
@@ -223,12 +237,7 @@ class EpsClient:
                                 backlog.append(self._outbox.get_nowait())
                             except queue.Empty:
                                 break
-                while backlog:
-                    try:
-                        sock.send_multipart(backlog[0], flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    backlog.popleft()
+                self._flush(sock, backlog)
                 poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if backlog else 0))
         except Exception as e:  # a broken socket: fail every caller rather than hang them
             log.exception("EPS client I/O thread failed")
@@ -243,8 +252,19 @@ class EpsClient:
             # handshake keeps failing can hold up the context's termination).
             sock.close(0 if self._lost else None)
 
+    @staticmethod
+    def _flush(sock, backlog) -> None:
+        while backlog:
+            try:
+                sock.send_multipart(backlog[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            backlog.popleft()
+
     def _beat(self, backlog, now: float) -> None:
         self._next_beat = now + self._beat_every
+        if self._loop_waits:  # the loop waits for the EPS (e.g. a version not there yet)
+            self._progress = now
         if self._stall_timeout and now - self._progress > self._stall_timeout:
             if not self._stalled:
                 self._stalled = True
