@@ -21,6 +21,7 @@ from protocol.trace import merge
 from worker.config import WorkerArgs
 
 from .config import LaunchArgs
+from .console import Console, table
 from .launcher import Launcher, private_run_dir
 
 
@@ -54,7 +55,11 @@ def build(args: LaunchArgs) -> Launcher:
         cli.write_file(WorkerArgs(worker=w, model=args.model, data=args.data), path)
         workers.append([py, "-m", "worker", "--config", path, "--endpoint", endpoint,
                         "--rank", str(rank)])
-    return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, quiet=a.quiet,
+    logs = os.path.join(a.runs_dir, run_id)
+    console = Console(args.worker.steps, logs, verbose=a.verbose, quiet=a.quiet,
+                      every=a.log_every)
+    cli.write_file(args, os.path.join(logs, "config.json"))  # the job as resolved
+    return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, console,
                     max_restarts=a.max_restarts,
                     checkpoints=os.path.abspath(server.save) if server.save else "")
 
@@ -110,18 +115,41 @@ def main(argv: list[str] | None = None) -> int:
             merge([os.path.join(launcher.run_dir, p) for p in parts], args.launch.trace)
     finally:
         launcher.cleanup()
+    logs = launcher.console.log_dir
     if code == 0:
         peak = max((w["peak_memory_bytes"] for w in summary["workers"]), default=0)
         final = summary["losses"][-1] if summary["losses"] else float("nan")
         print(f"done: {summary['steps']} steps, final loss {final:.4f}, "
               f"{summary['samples_per_sec']:,.1f} samples/s, peak worker memory "
               f"{peak / 2**20:.0f} MiB", flush=True)
+        print(table(summary_rows(summary, logs), "summary"), flush=True)
     else:
-        print(f"l2l-launch: failed: {launcher.failure}", file=sys.stderr, flush=True)
-    if args.launch.summary_json:
-        with open(args.launch.summary_json, "w") as f:
-            json.dump(summary, f, indent=1)
+        print(f"l2l-launch: failed: {launcher.failure} (logs: {logs})", file=sys.stderr,
+              flush=True)
+    for path in (os.path.join(logs, "summary.json"), args.launch.summary_json):
+        if path:
+            with open(path, "w") as f:
+                json.dump(summary, f, indent=1)
     return code
+
+
+def summary_rows(s: dict, logs: str) -> list[tuple[str, str]]:
+    eps = s["eps"]
+    rows = [("steps", f"{s['steps']} ({s['elapsed_seconds']:.1f} s)"),
+            ("throughput", f"{s['samples_per_sec']:,.1f} samples/s")]
+    for w in s["workers"]:
+        rows.append((f"w{w['rank']} ({w['device']})", f"{w['samples_per_sec']:,.1f} samples/s, "
+                     f"peak memory {w['peak_memory_bytes'] / 2**20:,.0f} MiB"))
+    if eps.get("updates"):
+        rows.append(("EPS update per layer", f"{1e3 * eps['update_seconds'] / eps['updates']:.2f} "
+                     f"ms ({eps['updates']} updates)"))
+    if eps.get("pushes"):
+        rows.append(("EPS reduce per push", f"{1e3 * eps['reduce_seconds'] / eps['pushes']:.2f} "
+                     f"ms ({eps['pushes']} pushes)"))
+    if s["restarts"]:
+        rows.append(("restarts", str(len(s["restarts"]))))
+    rows.append(("logs", logs))
+    return rows
 
 
 if __name__ == "__main__":

@@ -30,8 +30,17 @@ class LaunchConfig:
     trace: str = ""
     """Write one Chrome/Perfetto trace of all processes here (render it with
     python -m bench.timeline TRACE --png OUT)."""
+    runs_dir: str = "runs"
+    """Each job gets a directory here, runs/<run id>: the children's logs (eps.log, w0.log, ...),
+    the resolved job config (config.json) and the summary (summary.json)."""
+    verbose: bool = False
+    """Show every line the children log (by default only their warnings and errors reach the
+    console; all of it is in the run directory)."""
     quiet: bool = False
-    """Hide the children's logs (progress lines and failures are still shown)."""
+    """Show none of the children's log lines (progress and failures are still shown)."""
+    log_every: int = 10
+    """When stdout is not a terminal (CI, a pipe): print a progress line every N steps (and
+    the first and last); on a terminal a live progress bar is shown instead."""
     max_restarts: int = 0
     """Restarts allowed in all: a worker that dies or hangs is started again and redoes its
     step exactly (this turns on the EPS's --recovery); a dead EPS restarts the job from its
@@ -42,6 +51,8 @@ class LaunchConfig:
             raise ValueError("--workers must be >= 1")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
+        if self.log_every < 1:
+            raise ValueError("--log-every must be >= 1")
 
 
 @dataclass(kw_only=True)

@@ -2,13 +2,14 @@
 
 Like torchrun, a convenience over the two real CLIs: it picks a private ipc endpoint and a run
 id, starts the server, waits for it to be ready, starts the workers (worker r on cuda:r when
---device cuda), shows one progress line per step, and writes a run summary. On Ctrl-C, SIGTERM
-or any child's failure it stops every child (SIGTERM, then SIGKILL), and removes the run's
-shared memory and socket, so nothing is left behind.
+--device cuda), shows the job's progress (launch/console.py), and writes a run summary. On
+Ctrl-C, SIGTERM or any child's failure it stops every child (SIGTERM, then SIGKILL), and
+removes the run's shared memory and socket, so nothing is left behind.
 
 Each child gets a pipe for its typed events (``--events fd:N``, protocol/events.py): the EPS's
 "ready", lost workers and final statistics, each worker's joins and steps. The children's stdout
-and stderr are logs, shown with a ``[name]`` prefix (or hidden with --quiet), never parsed.
+and stderr are logs: written to the run directory, their warnings and errors shown with a
+``[name]`` prefix (everything with --verbose, nothing with --quiet), never parsed.
 
 With ``max_restarts`` N (torchelastic's semantics: N restarts in all), a worker that exits with
 an error, or that the EPS declares dead (a hung one is killed first), is started again with the
@@ -25,16 +26,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 from protocol import events
-from protocol.checkpoints import latest_step
+from protocol.checkpoints import latest
 from protocol.lifecycle import ENV as PARENT_ENV
 from protocol.shm import unlink_prefix
+
+from .console import Console
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
@@ -53,16 +55,20 @@ NO_FAULT = ["--fault", ""]  # a replacement never inherits a test's fault
 
 class Launcher:
     def __init__(self, server_argv: list[str], worker_argvs: list[list[str]], run_id: str,
-                 run_dir: str, steps: int, quiet: bool = False, max_restarts: int = 0,
+                 run_dir: str, steps: int, console: Console, max_restarts: int = 0,
                  checkpoints: str = ""):
         self.server_argv = server_argv
         self.worker_argvs = worker_argvs
         self.run_id = run_id
         self.run_dir = run_dir
         self.steps = steps
-        self.quiet = quiet
+        self.console = console
         self.max_restarts = max_restarts
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
+        # A checkpoint already there is another run's (or the one this run loaded): never one
+        # to restart from.
+        found = latest(checkpoints) if checkpoints else None
+        self._foreign = found[0] if found else None
         self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
         self.children: list[Child] = []
         self.workers: dict[int, Child] = {}
@@ -93,26 +99,26 @@ class Launcher:
             os.close(write_fd)  # the child holds it now: EOF when the child is gone
         child = Child(name, proc)
         self.children.append(child)  # registered first: stop_all must see it whatever happens
-        readers = [(self._log, proc.stdout, sys.stdout), (self._log, proc.stderr, sys.stderr),
-                   (self._events, os.fdopen(read_fd, "r", errors="replace"), name)]
-        for target, stream, arg in readers:
-            t = threading.Thread(target=target, args=(name, stream, arg), daemon=True)
+        readers = [(self._log, proc.stdout), (self._log, proc.stderr),
+                   (self._events, os.fdopen(read_fd, "r", errors="replace"))]
+        for target, stream in readers:
+            t = threading.Thread(target=target, args=(name, stream), daemon=True)
             t.start()
             child.threads.append(t)
         return child
 
-    def _log(self, name: str, stream, out) -> None:
-        for line in stream:
-            if not self.quiet:
-                print(f"[{name}] {line.rstrip()}", file=out, flush=True)
+    def _log(self, name: str, stream) -> None:
+        with stream:
+            for line in stream:
+                self.console.log(name, line)
 
-    def _events(self, name: str, stream, _) -> None:
+    def _events(self, name: str, stream) -> None:
         with stream:
             for line in stream:
                 try:
                     ev = events.decode(line)
                 except ValueError as e:
-                    print(f"l2l-launch: bad event from {name}: {e}", file=sys.stderr)
+                    self.console.note(f"l2l-launch: bad event from {name}: {e}")
                     continue
                 if isinstance(ev, events.Ready):
                     self._ready.set()
@@ -137,14 +143,14 @@ class Launcher:
             if len(by_rank) != len(self.worker_argvs):
                 return
             rows = list(by_rank.values())
-            loss = sum(r.loss for r in rows)
-            acc = sum(r.correct for r in rows) / max(1, sum(r.count for r in rows))
-            secs = max(r.seconds for r in rows)
-            samples = sum(r.samples for r in rows)
-            self.progress.append({"step": ev.step, "loss": loss, "accuracy": acc,
-                                  "seconds": secs, "samples": samples})
-        print(f"step {ev.step + 1:>5}/{self.steps}  loss {loss:.4f}  acc {acc:.3f}  "
-              f"{samples / secs if secs > 0 else 0:,.0f} samples/s", flush=True)
+            slowest = max(rows, key=lambda r: r.seconds)
+            row = {"step": ev.step, "loss": sum(r.loss for r in rows),
+                   "accuracy": sum(r.correct for r in rows) / max(1, sum(r.count for r in rows)),
+                   "seconds": slowest.seconds, "samples": sum(r.samples for r in rows),
+                   "fetch_wait": slowest.fetch_wait, "push_wait": slowest.push_wait,
+                   "compute": slowest.seconds - slowest.fetch_wait - slowest.push_wait}
+            self.progress.append(row)
+        self.console.step(row)
 
     def _on_eval(self, ev: events.EvalDone) -> None:
         with self._lock:
@@ -156,7 +162,8 @@ class Launcher:
             self.evals.append(result)
         metric = (f"accuracy {result['accuracy']:.3f}" if ev.objective == "classify"
                   else f"perplexity {result['perplexity']:.3f}")
-        print(f"eval after {ev.step:>5} steps  loss {result['loss']:.4f}  {metric}", flush=True)
+        self.console.note(f"eval after {ev.step:>5} steps  loss {result['loss']:.4f}  {metric}",
+                          err=False)
 
     # ------------------------------------------------------------------------- run
 
@@ -178,6 +185,7 @@ class Launcher:
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
+                self.console.close()
 
     def _on_signal(self, signum, frame) -> None:
         self.failure = f"stopped by signal {signal.Signals(signum).name}"
@@ -192,9 +200,9 @@ class Launcher:
             entry = pending[-1]
             entry.update(rejoined_after=round(time.monotonic() - entry.pop("_t"), 3),
                          resumed_step=ev.step, layers_already_pushed=ev.pushed)
-        print(f"l2l-launch: w{ev.rank} rejoined {entry['rejoined_after']:.1f} s later; it "
-              f"redoes step {ev.step + 1} ({ev.pushed} of its layers were pushed already)",
-              file=sys.stderr, flush=True)
+        self.console.note(f"l2l-launch: w{ev.rank} rejoined {entry['rejoined_after']:.1f} s "
+                          f"later; it redoes step {ev.step + 1} ({ev.pushed} of its layers were "
+                          "pushed already)")
 
     def _start_server(self, extra: list[str] = ()) -> bool:
         self._ready.clear()
@@ -231,6 +239,7 @@ class Launcher:
     def _run(self) -> int:
         if not self._start_server():
             return 1
+        self.console.start()
         self._start_workers(range(len(self.worker_argvs)), replacement=False)
         server_gone: float | None = None
         while True:
@@ -275,7 +284,7 @@ class Launcher:
                     f"{ev.silent:.1f} s without a message")
             if not self._may_restart(what):
                 return False
-            print(f"l2l-launch: {what}; killing it", file=sys.stderr, flush=True)
+            self.console.note(f"l2l-launch: {what}; killing it")
             w.hung = ev.silent
             _signal(w.proc, signal.SIGKILL)
             w.proc.wait()
@@ -291,27 +300,31 @@ class Launcher:
                 "message" if w.hung is not None else f"exited with status {code}",
                 "detected_after": round(w.hung or 0.0, 3), "steps_done": self._completed(),
                 "_t": time.monotonic()})
-            print(f"l2l-launch: {what}; restarting rank {r} ({len(self.restarts)}/"
-                  f"{self.max_restarts})", file=sys.stderr, flush=True)
+            self.console.note(f"l2l-launch: {what}; restarting rank {r} "
+                              f"({len(self.restarts)}/{self.max_restarts})")
             self._start_workers([r], replacement=True)
         return True
 
     def _restart_job(self, what: str) -> bool:
         """The EPS died: stop the workers, start everything again from its last checkpoint."""
         self.stop_all()
-        step = latest_step(self.checkpoints) if self.checkpoints else None
+        found = latest(self.checkpoints) if self.checkpoints else None
+        step = found[1] if found and found[0] != self._foreign else None
         done = self._completed()
         with self._lock:  # steps after the checkpoint are trained (and reported) again
-            start = step or 0
+            start = step if step is not None else min(self.events, default=0)
             self.events = {s: e for s, e in self.events.items() if s < start}
             self.progress = [p for p in self.progress if p["step"] < start]
+            self.eval_parts = {s: e for s, e in self.eval_parts.items() if s <= start}
+            self.evals = [e for e in self.evals if e["step"] <= start]
         self.restarts.append({"rank": None, "cause": what, "detected_after": 0.0,
                               "steps_done": done, "checkpoint_step": step,
-                              "steps_replayed": max(0, done - (step or 0))})
-        print(f"l2l-launch: {what}; restarting the job from "
-              f"{f'the checkpoint of step {step}' if step is not None else 'the start'} "
-              f"({len(self.restarts)}/{self.max_restarts}): {max(0, done - (step or 0))} "
-              "completed steps are lost and trained again", file=sys.stderr, flush=True)
+                              "steps_replayed": max(0, done - start)})
+        self.console.note(
+            f"l2l-launch: {what}; restarting the job from "
+            f"{f'the checkpoint of step {step}' if step is not None else 'its start'} "
+            f"({len(self.restarts)}/{self.max_restarts}): {max(0, done - start)} "
+            "completed steps are lost and trained again")
         extra = ["--load", self.checkpoints] if step is not None else []
         if not self._start_server(extra):
             return False
@@ -338,8 +351,8 @@ class Launcher:
                 t.join(timeout=2.0)
         leaked = unlink_prefix(f"l2l-{self.run_id}-")
         if leaked:
-            print(f"l2l-launch: removed shared memory left by the run: {', '.join(leaked)}",
-                  file=sys.stderr)
+            self.console.note(f"l2l-launch: removed shared memory left by the run: "
+                              f"{', '.join(leaked)}")
 
     def cleanup(self) -> None:
         """Remove the run's private directory (socket, per-worker summaries)."""

@@ -79,10 +79,12 @@ def verify(directory: str) -> None:
             raise ValueError(f"{path}: checksum mismatch (damaged)")
 
 
-def latest_step(root: str) -> int | None:
-    """The step of the checkpoint ``root`` resolves to, or None if there is none (yet)."""
+def latest(root: str) -> tuple[str, int] | None:
+    """(the checkpoint directory ``root`` resolves to, its step), or None if there is none
+    (yet), or none that can be read."""
     try:
-        with open(os.path.join(resolve(root), "state.json")) as f:
-            return int(json.load(f)["step"])
-    except (FileNotFoundError, NotADirectoryError):
+        path = resolve(root)
+        with open(os.path.join(path, "state.json")) as f:
+            return path, int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None

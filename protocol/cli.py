@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import inspect
 import json
@@ -172,9 +173,17 @@ def from_dict(cls: type, data: dict, path: str = "", omit: tuple[str, ...] = ())
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
 
 
-def to_dict(cfg: Any) -> dict:
-    """The config tree as nested maps of plain values (what ``from_dict`` reads back)."""
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any, omit: tuple[str, ...] = ()) -> dict:
+    """The config tree as nested maps of plain values (what ``from_dict`` reads back: fields
+    its ``omit`` metadata leaves out are left out)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in omit or not f.init:
+            continue
+        value = getattr(cfg, f.name)
+        out[f.name] = (to_dict(value, tuple(f.metadata.get("omit", ())))
+                       if dataclasses.is_dataclass(value) else copy.deepcopy(value))
+    return out
 
 
 def load_file(path: str) -> dict:

@@ -64,6 +64,8 @@ class StepDone:
     count: int
     samples: int
     seconds: float
+    fetch_wait: float = 0.0  # seconds of the step blocked waiting for weights
+    push_wait: float = 0.0  # seconds blocked on gradient slots and push acks
 
 
 @event("eval")

@@ -23,6 +23,7 @@ it is summed in fp32 and added into the owner's gradient before the owner is pus
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class StepResult:
     count: int  # loss terms (samples or tokens) on this worker
     samples: int
     seconds: float
+    fetch_wait: float = 0.0  # seconds blocked waiting for weights (the rest of the EPS's lag)
+    push_wait: float = 0.0  # seconds blocked on gradient slots and the step's push acks
 
 
 class Executor:
@@ -75,6 +78,7 @@ class Executor:
         self.layer_drop = layer_drop
         self.tracer = tracer
         self.fault = fault
+        self.waited = {"fetch": 0.0, "push": 0.0}  # this step's blocking waits (seconds)
         self.streams = Streams(device)
         # One weightless template module per stage kind, bound to a layer's weights per visit.
         self.binders = {kind: model.template(kind, device) for kind in {p.kind for p in self.plans}}
@@ -96,6 +100,7 @@ class Executor:
         (a replacement redoing the step its predecessor died in): they are computed through,
         for the layers below, but not pushed again."""
         t0 = time.perf_counter()
+        self.waited = {"fetch": 0.0, "push": 0.0}
         if pushed:
             self.source.redo(step, pushed)
         with self.tracer.span("data", "data"):
@@ -142,18 +147,31 @@ class Executor:
                                  kept if visits[k] == keep else None, prefetch=after,
                                  push=visits[k] not in pushed)
 
-        self.source.drain()  # every push acknowledged (a refusal raises here)
+        with self._waiting("push"):
+            self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
         self.tied.clear()
         count = sum(int((b.targets != -100).sum()) for b in batches)
         return StepResult(step, float(loss), int(correct), count,
-                          len(batches) * self.sharder.size, time.perf_counter() - t0)
+                          len(batches) * self.sharder.size, time.perf_counter() - t0,
+                          self.waited["fetch"], self.waited["push"])
+
+    @contextlib.contextmanager
+    def _waiting(self, what: str):
+        """Count the time a blocking call of the source takes (two clock reads per call)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited[what] += time.perf_counter() - t
 
     def _weights(self, layer: int, step: int, requires_grad: bool) -> dict[str, torch.Tensor]:
         """The visit's tensors by name: views of the layer's flat weights, and its tied
         tensors (copied when their owner was visited in the forward pass)."""
         plan = self.plans[layer]
-        named = named_views(self.source.weights(layer, step), plan)
+        with self._waiting("fetch"):
+            flat = self.source.weights(layer, step)
+        named = named_views(flat, plan)
         for name in self.shared.get(layer, ()):
             if (layer, name) not in self.tied:
                 self.tied[layer, name] = named[name].detach().clone()
@@ -196,7 +214,8 @@ class Executor:
             if prefetch is not None:  # layer 0 of the next step: once the EPS has updated it
                 self.source.prefetch(*prefetch)
             stage = self.binders[plan.kind].bind(leaves)
-            slot, acc = self.source.grad_buffer(plan) if push else (-1, None)
+            with self._waiting("push"):
+                slot, acc = self.source.grad_buffer(plan) if push else (-1, None)
             targets = list(named_views(acc, plan).values()) if push else []
             tie_targets = self._tie_grads(plan)
             mine = [leaves[s.name] for s in plan.tensors] if push else []

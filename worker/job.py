@@ -100,7 +100,7 @@ def run_worker(args: WorkerArgs) -> dict:
     elapsed, peak = 0.0, 0
     memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
     try:
-        welcome = join(client, min(cfg.eps_timeout, 120.0), rank=cfg.rank,
+        welcome = join(client, cfg.eps_timeout, rank=cfg.rank,
                        world_size=cfg.world_size, manifest=manifest, transport=cfg.transport,
                        grad_dtype=cfg.grad_dtype)
         client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
@@ -147,7 +147,9 @@ def run_worker(args: WorkerArgs) -> dict:
             results.append(r)
             memory.sample()
             events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
-                                 count=r.count, samples=r.samples, seconds=r.seconds))
+                                 count=r.count, samples=r.samples, seconds=r.seconds,
+                                 fetch_wait=round(r.fetch_wait, 6),
+                                 push_wait=round(r.push_wait, 6)))
             executor.point(step, "E")
             every = args.data.eval_every
             if evalset is not None and (step + 1 == cfg.steps or every and (step + 1) % every

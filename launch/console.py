@@ -1,0 +1,117 @@
+"""What l2l-launch shows while a job runs, and where the children's logs go.
+
+- On a terminal: one live progress bar (tqdm): step / total, smoothed loss, accuracy, samples/s,
+  ETA, and where the slowest worker's step went (compute, waiting for weights, waiting for push
+  acks). Elsewhere (CI, ``| tee``): one plain line every ``every`` steps, and the last one.
+- Children's logs go to ``<run dir>/<name>.log`` (eps.log, w0.log, ...). Only their warnings and
+  errors (and tracebacks) reach the console, each line prefixed by its process; ``verbose``
+  shows every line. Launcher messages and evaluations are printed above the bar.
+- ``table`` formats the final summary.
+
+Called from the launcher's reader threads: one lock orders the output.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from typing import TextIO
+
+from tqdm import tqdm
+
+# A child's log line worth showing without --verbose (the children log "... LEVEL message").
+LOUD = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback|^\S*(Error|Exception)\b")
+SMOOTHING = 0.9  # the bar's loss: an exponential moving average
+
+
+class Console:
+    def __init__(self, total: int, log_dir: str, *, verbose: bool = False, quiet: bool = False,
+                 every: int = 10, out: TextIO | None = None, tty: bool | None = None):
+        self.total, self.log_dir, self.verbose, self.quiet = total, log_dir, verbose, quiet
+        self.every = max(1, every)
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty() if tty is None else tty
+        self._lock = threading.Lock()
+        self._files: dict[str, TextIO] = {}
+        self._loss: float | None = None
+        self._bar: tqdm | None = None
+        os.makedirs(log_dir, exist_ok=True)
+
+    # ------------------------------------------------------------------------- logs
+
+    def log(self, name: str, line: str) -> None:
+        """One line of a child's stdout or stderr."""
+        line = line.rstrip("\n")
+        with self._lock:
+            f = self._files.get(name)
+            if f is None:
+                f = self._files[name] = open(os.path.join(self.log_dir, f"{name}.log"), "a",
+                                             buffering=1)
+            f.write(line + "\n")
+            if self.verbose or (not self.quiet and LOUD.search(line)):
+                self._write(f"[{name}] {line}", sys.stderr)
+
+    def note(self, text: str, err: bool = True) -> None:
+        """A launcher message (a restart, a failure: stderr) or a result (stdout)."""
+        with self._lock:
+            self._write(text, sys.stderr if err else self.out)
+
+    def _write(self, text: str, stream: TextIO) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=stream)  # above the bar, which is redrawn
+        else:
+            print(text, file=stream, flush=True)
+
+    # ------------------------------------------------------------------------- progress
+
+    def start(self, done: int = 0) -> None:
+        with self._lock:
+            if self.tty and self._bar is None:
+                self._bar = tqdm(total=self.total, initial=done, unit="step", file=self.out,
+                                 dynamic_ncols=True, smoothing=0.1,
+                                 bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}<{remaining}"
+                                            "{postfix}]")
+
+    def step(self, row: dict) -> None:
+        """A step every worker reported: step, loss, accuracy, seconds, samples and, when the
+        workers report them, compute / fetch_wait / push_wait (seconds, slowest worker)."""
+        loss = row["loss"]
+        self._loss = loss if self._loss is None else (SMOOTHING * self._loss
+                                                      + (1 - SMOOTHING) * loss)
+        rate = row["samples"] / row["seconds"] if row["seconds"] > 0 else 0.0
+        with self._lock:
+            if self._bar is not None:
+                self._bar.set_postfix_str(self._fields(row, rate), refresh=False)
+                self._bar.update(row["step"] + 1 - self._bar.n)
+                return
+            n = row["step"] + 1
+            if n % self.every == 0 or n == self.total or n == 1:
+                print(f"step {n:>5}/{self.total}  {self._fields(row, rate)}", file=self.out,
+                      flush=True)
+
+    def _fields(self, row: dict, rate: float) -> str:
+        parts = [f"loss {self._loss:.4f}", f"acc {row['accuracy']:.3f}", f"{rate:,.0f} samples/s"]
+        if row.get("fetch_wait") is not None and row["seconds"] > 0:
+            split = {k: row[k] / row["seconds"] for k in ("compute", "fetch_wait", "push_wait")}
+            parts.append(f"compute {split['compute']:.0%} wait weights "
+                         f"{split['fetch_wait']:.0%} acks {split['push_wait']:.0%}")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+
+def table(rows: list[tuple[str, str]], title: str) -> str:
+    """The final summary: a two-column table."""
+    width = max(len(k) for k, _ in rows)
+    lines = [title, "-" * len(title)]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""What l2l-launch shows: a bar on a terminal, a plain line every N steps elsewhere, children's
+logs in the run directory with only their warnings and errors on the console."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+from launch.console import Console
+
+from .helpers import SMALL
+from .test_launch import launch
+
+
+def row(step: int, loss: float = 1.0) -> dict:
+    return {"step": step, "loss": loss, "accuracy": 0.5, "seconds": 0.5, "samples": 16,
+            "fetch_wait": 0.1, "push_wait": 0.05, "compute": 0.35}
+
+
+def test_not_a_terminal_prints_every_n_steps_and_the_last(tmp_path):
+    out = io.StringIO()
+    c = Console(12, str(tmp_path), every=5, out=out, tty=False)
+    c.start()
+    for s in range(12):
+        c.step(row(s))
+    c.close()
+    steps = [int(m) for m in re.findall(r"^step +(\d+)/12", out.getvalue(), re.M)]
+    assert steps == [1, 5, 10, 12]
+    assert "32 samples/s" in out.getvalue() and "compute 70% wait weights 20% acks 10%" in \
+        out.getvalue()
+
+
+def test_a_terminal_gets_one_bar_with_a_smoothed_loss(tmp_path):
+    out = io.StringIO()
+    c = Console(4, str(tmp_path), out=out, tty=True)
+    c.start()
+    for s, loss in enumerate([2.0, 0.0, 0.0, 0.0]):
+        c.step(row(s, loss))
+    c.close()
+    text = out.getvalue()
+    assert "4/4" in text and "step " not in text  # a bar, not lines
+    assert "loss 1.4580" in text  # 2.0 * 0.9^3: smoothed, not the last value
+
+
+def test_children_logs_go_to_files_and_only_warnings_reach_the_console(tmp_path, capsys):
+    c = Console(1, str(tmp_path / "run"), out=io.StringIO(), tty=False)
+    c.log("eps", "2026-01-01 eps-server INFO step 3 complete\n")
+    c.log("w1", "2026-01-01 l2l-worker[1] WARNING rank 1: waiting\n")
+    c.log("w1", "Traceback (most recent call last):\n")
+    c.close()
+    err = capsys.readouterr().err
+    assert "[w1] 2026-01-01 l2l-worker[1] WARNING rank 1: waiting" in err
+    assert "[w1] Traceback" in err and "INFO" not in err
+    assert (tmp_path / "run" / "eps.log").read_text() == \
+        "2026-01-01 eps-server INFO step 3 complete\n"
+    assert len((tmp_path / "run" / "w1.log").read_text().splitlines()) == 2
+    v = Console(1, str(tmp_path / "v"), verbose=True, out=io.StringIO(), tty=False)
+    v.log("eps", "x INFO y")
+    v.close()
+    assert "[eps] x INFO y" in capsys.readouterr().err
+
+
+def test_a_job_keeps_its_logs_config_and_summary_in_its_run_directory(tmp_path):
+    p, s, _ = launch(tmp_path, "--workers", "2", "--steps", "6", *SMALL, "--log-every", "5")
+    assert p.returncode == 0, p.stderr
+    lines = [m for m in re.findall(r"^step +(\d+)/6", p.stdout, re.M)]
+    assert lines == ["1", "5", "6"], p.stdout
+    assert "INFO" not in p.stdout + p.stderr  # the children's chatter is in the files
+    run = tmp_path / "runs" / s["run_id"]
+    assert "listening on" in (run / "eps.log").read_text()
+    assert "hello" in (run / "eps.log").read_text().lower()
+    assert {"w0.log", "w1.log", "config.json", "summary.json"} <= {f.name for f in
+                                                                  run.iterdir()}
+    assert json.loads((run / "config.json").read_text())["worker"]["steps"] == 6
+    assert json.loads((run / "summary.json").read_text())["losses"] == s["losses"]
+    assert "EPS update per layer" in p.stdout and f"runs/{s['run_id']}" in p.stdout
+    # The recorded config runs the same job again (flags still override it).
+    again, s2, _ = launch(tmp_path, "--config", str(run / "config.json"), "--steps", "7")
+    assert again.returncode == 0, again.stderr
+    assert s2["losses"][:6] == s["losses"] and len(s2["losses"]) == 7
