@@ -24,6 +24,7 @@ BENCHMARKS = {
     "bootstrap": (bootstrap.add_args, bootstrap.bootstrap),  # needs transformers
     "load": (load.add_args, load.load),
     "recovery": (speed.add_args, speed.recovery),
+    "metrics": (speed.add_args, speed.metrics),
 }
 EXTRA = ("scale", "bootstrap")  # long, or needing optional packages: not part of "all"
 

@@ -121,30 +121,80 @@ def innerloop(a) -> dict:
     }
 
 
-def recovery(a) -> dict:
-    """The cost of exact recovery (--recovery, which l2l-launch --max-restarts turns on): the
-    EPS copies each layer's served version aside before updating it. Jobs with and without it
-    alternate, a.rounds times each."""
-    u, times, shmem = a.micro_batches, {False: [], True: []}, {False: [], True: []}
+def alternate(a, configs: dict[str, list[str]]) -> tuple[dict, dict, int]:
+    """Jobs of each server configuration in turn, a.rounds times: (median s/step, median EPS
+    shared bytes, params) per configuration name."""
+    u = a.micro_batches
+    times: dict[str, list] = {k: [] for k in configs}
+    shmem: dict[str, list] = {k: [] for k in configs}
     params = 0
     for _ in range(a.rounds):
-        for on in (False, True):
-            s = l2l_job(model_argv(a, u), steps=a.warmup + a.steps,
-                        server=["--recovery"] if on else [])
-            times[on].append(steady_step_seconds(s, a.warmup))
-            shmem[on].append(s["eps"]["rssshmem_bytes"])
+        for name, server in configs.items():
+            s = l2l_job(model_argv(a, u), steps=a.warmup + a.steps, server=server)
+            times[name].append(steady_step_seconds(s, a.warmup))
+            shmem[name].append(s["eps"]["rssshmem_bytes"])
             params = s["eps"]["params"]
-    off, on = median(times[False]), median(times[True])
-    extra = (median(shmem[True]) - median(shmem[False])) / params
-    rows = [["without recovery", off, 1.0, median(shmem[False]) / 2**20],
-            ["with --recovery", on, on / off, median(shmem[True]) / 2**20]]
+    return ({k: median(v) for k, v in times.items()}, {k: median(v) for k, v in shmem.items()},
+            params)
+
+
+def recovery(a) -> dict:
+    """The cost of exact recovery (--recovery, which l2l-launch --max-restarts turns on): the
+    EPS copies each layer's served version aside before updating it."""
+    t, mem, params = alternate(a, {"off": [], "on": ["--recovery"]})
+    extra = (mem["on"] - mem["off"]) / params
+    rows = [["without recovery", t["off"], 1.0, mem["off"] / 2**20],
+            ["with --recovery", t["on"], t["on"] / t["off"], mem["on"] / 2**20]]
     return {
-        "table": table(f"recovery: {a.model} L={a.layers} H={a.hidden} u={u} "
+        "table": table(f"recovery: {a.model} L={a.layers} H={a.hidden} u={a.micro_batches} "
                        f"({params / 1e6:.1f}M params, fp32, {a.rounds} rounds)",
                        ["config", "s/step", "vs without", "EPS shared MiB"], rows),
-        "step_seconds": {"without": off, "with": on},
-        "ratios": {"step_time_with_recovery": on / off},
+        "step_seconds": {"without": t["off"], "with": t["on"]},
+        "ratios": {"step_time_with_recovery": t["on"] / t["off"]},
         "extra_shared_bytes_per_param": extra,
-        "targets": [check("step time with recovery / without", on / off, "<=", 1.05),
+        "targets": [check("step time with recovery / without", t["on"] / t["off"], "<=", 1.05),
                     check("extra EPS shared memory, bytes/param", extra, "<=", 4.5)],
     }
+
+
+def metrics(a) -> dict:
+    """What the EPS's Prometheus endpoint costs the training loop, scraped 5 times a second
+    (it records nothing extra on the request path; the collector reads counters when
+    scraped). The launcher's console and the workers' wait clocks are on in both."""
+    import threading
+    import urllib.request
+
+    port, stop, scrapes = _free_port(), threading.Event(), [0]
+
+    def scraper() -> None:  # as Prometheus would, but 5 times a second
+        while not stop.wait(0.2):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+                scrapes[0] += 1
+            except OSError:
+                pass  # an "off" job, or between jobs
+
+    thread = threading.Thread(target=scraper, daemon=True)
+    thread.start()
+    try:
+        t, _, params = alternate(a, {"off": [], "on": ["--metrics-port", str(port)]})
+    finally:
+        stop.set()
+        thread.join()
+    rows = [["metrics off", t["off"], 1.0], ["--metrics-port", t["on"], t["on"] / t["off"]]]
+    return {
+        "table": table(f"metrics: {a.model} L={a.layers} H={a.hidden} u={a.micro_batches} "
+                       f"({a.rounds} rounds, interleaved; {scrapes[0]} scrapes)",
+                       ["config", "s/step", "vs off"], rows),
+        "step_seconds": {"off": t["off"], "on": t["on"]},
+        "ratios": {"step_time_with_metrics": t["on"] / t["off"]},
+        "targets": [check("step time with metrics / without", t["on"] / t["off"], "<=", 1.03)],
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

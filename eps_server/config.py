@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from protocol.endpoints import default_endpoint
+from protocol.endpoints import default_endpoint, is_loopback_host
 
 from .schedules import lr_at
 
@@ -120,6 +120,10 @@ class ServerConfig:
     """Keep the previous version of every layer updated during a step that some worker has
     not finished, so a worker replacing a dead one redoes that step exactly (+4 bytes per
     parameter of shared memory in fp32, +2 in bf16/fp16; l2l-launch --max-restarts sets it)."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port (http://HOST:PORT/metrics; 0: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the metrics endpoint (a non-loopback one needs --insecure)."""
     run_id: str = ""
     """Names this run's shared-memory regions (l2l-<run_id>-...); random when empty."""
     load: str = ""
@@ -159,6 +163,11 @@ class ServerConfig:
             raise ValueError("checkpoint_every needs a save path (--server-save)")
         if not 0.1 <= self.heartbeat_timeout <= 86400:
             raise ValueError("heartbeat_timeout must be in [0.1, 86400] seconds")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be in [0, 65535]")
+        if self.metrics_port and not (is_loopback_host(self.metrics_host) or self.insecure):
+            raise ValueError(f"metrics on {self.metrics_host} (not loopback) would expose the "
+                             "run to anyone who can reach it; give --insecure to allow it")
         if bool(self.curve_secret_key) != bool(self.curve_clients):
             raise ValueError("CURVE needs both curve_secret_key and curve_clients")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):

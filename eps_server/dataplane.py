@@ -95,6 +95,10 @@ class DataPlane:
         name, offset, out = peer.transport.layer_out(region, plan.byte_offset(dtype),
                                                      plan.nbytes(dtype))
         self.stats.fetches += 1
+        if out:
+            self.stats.bytes_served_frames += plan.nbytes(dtype)
+        else:
+            self.stats.bytes_served_shm += plan.nbytes(dtype)
         return Out(identity, LayerReady(
             req_id=msg.req_id, layer=msg.layer, version=version, region=name,
             offset=offset, nbytes=plan.nbytes(dtype), dtype=dtype,
@@ -156,6 +160,7 @@ class DataPlane:
             return self._skip(identity, msg, frames)
         src = peer.transport.gradient_in(msg, frames, self.store.plan(msg.layer))
         self.parts.claim(msg.layer, peer.rank)
+        self.stats.reducing += 1
         # fp16: an overflow is expected now and then and the loss scaler deals with it.
         self.engines.submit(Reduce(msg.layer, peer.rank, src, not self.cfg.loss_scaling,
                                    (identity, msg, bool(frames))))
@@ -180,6 +185,7 @@ class DataPlane:
     def reduced(self, done: Done) -> list[Out]:
         identity, msg, framed = done.job.ticket
         self.stats.reduce_seconds += done.seconds
+        self.stats.reducing -= 1
         field = "frames" if framed else "slot"
         if done.result is Reduced.OVERFLOW:  # the step cannot complete: stop updating
             why = (f"the sum of layer {msg.layer}'s gradients at step {msg.step} is not finite "
@@ -195,7 +201,12 @@ class DataPlane:
                               f"layer {msg.layer} from rank {msg.rank} at step {msg.step}; not "
                               "applied", field)]
         self.stats.pushes += 1
-        self.stats.bytes_reduced += done.job.src.numel() * done.job.src.element_size()
+        nbytes = done.job.src.numel() * done.job.src.element_size()
+        self.stats.bytes_reduced += nbytes
+        if framed:
+            self.stats.bytes_received_frames += nbytes
+        else:
+            self.stats.bytes_received_shm += nbytes
         if self.parts.add(msg.layer):
             self.scheduler.reduced(msg.layer, msg.step)
         return [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,

@@ -67,6 +67,10 @@ class Peers:
         if peer is not None:
             peer.last_seen = self.clock()
 
+    def snapshot(self) -> list[Peer]:
+        """The registered peers (safe from another thread: one C-level copy)."""
+        return list(self._by_identity.values())
+
     def holder(self, rank: int) -> Peer | None:
         return next((p for p in self._by_identity.values() if p.rank == rank), None)
 

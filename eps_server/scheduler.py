@@ -122,6 +122,7 @@ class UpdateScheduler:
             self.stats.overflow_steps = len(self.overflow_steps)
             self.stats.skipped_updates += 1
         self.stats.updates += 1
+        self.stats.update_latency.observe(done.seconds)
         self.pending.discard(job.layer)
         self.updating.discard(job.layer)
         return [Publish(job.layer, job.t + 1)]

@@ -26,7 +26,7 @@ from protocol.messages import PROTOCOL_VERSION, Error, Hello
 from protocol.shm import RunLock, remove_orphans
 from protocol.trace import Tracer
 
-from . import checkpoint
+from . import checkpoint, metrics
 from .config import ServerConfig
 from .core import EpsCore
 from .lobby import Lobby, load_core
@@ -54,6 +54,7 @@ class EpsServer:
         self._lobby = asyncio.Lock()
         self._lock: RunLock | None = None
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
+        self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -96,6 +97,9 @@ class EpsServer:
                                      self.cfg.curve_clients)
         remove_ipc(self.cfg.endpoint)  # a stale socket file from a killed server
         self.sock.bind(self.cfg.endpoint)
+        if self.cfg.metrics_port:
+            self._metrics = metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host,
+                                          self.cfg.insecure, self.stats, lambda: self.core)
         self.events.emit(Ready(endpoint=self.cfg.endpoint, run_id=self.run_id, pid=os.getpid()))
         log.info("listening on %s (run %s, world size %d, %s, %s updates)", self.cfg.endpoint,
                  self.run_id, self.cfg.world_size, self.cfg.precision, self.cfg.update)
@@ -116,6 +120,8 @@ class EpsServer:
             self.sock.close()
             if self._auth is not None:
                 self._auth.stop()
+            if self._metrics is not None:
+                self._metrics.shutdown()
             ctx.term()
             remove_ipc(self.cfg.endpoint)
 
@@ -189,6 +195,8 @@ class EpsServer:
         """Send without blocking: a peer that does not read its replies loses them, counted
         and logged, instead of holding up everyone else (ROUTER_MANDATORY reports it)."""
         for out in outs:
+            if type(out.msg) is Error:
+                self.stats.errors[out.msg.code] += 1
             try:
                 await self.sock.send_multipart([out.peer, *codec.encode(out.msg, out.frames)],
                                                flags=zmq.NOBLOCK, copy=False)

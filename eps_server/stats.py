@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 
@@ -33,9 +35,41 @@ class EpsStats:
     """Replies that could not be sent (a peer that does not read them, or is gone)."""
     busy_refusals: int = 0
     """Requests refused because their connection had too many waiting."""
+    bytes_served_shm: int = 0
+    """Layer bytes served through shared memory (LayerReady naming a region)."""
+    bytes_served_frames: int = 0
+    """Layer bytes sent as frames."""
+    bytes_received_shm: int = 0
+    """Gradient bytes read from shared-memory slots (accepted pushes)."""
+    bytes_received_frames: int = 0
+    """Gradient bytes received as frames (accepted pushes)."""
+    reducing: int = 0
+    """Gradients being reduced now (gradient slots in use, all ranks)."""
+
+    def __post_init__(self) -> None:
+        # Not part of snapshot() (StatusReply carries plain numbers): for the metrics.
+        self.errors: Counter[str] = Counter()  # Error replies by code
+        self.update_latency = Histogram(UPDATE_BUCKETS)  # seconds per layer update
 
     def snapshot(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+UPDATE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class Histogram:
+    """Counts per upper bound (the last counts the rest) and the sum: two additions per
+    observation, read by the metrics collector when scraped."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
 
 
 def peak_memory_bytes() -> dict[str, int]:

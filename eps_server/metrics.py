@@ -1,0 +1,107 @@
+"""Prometheus metrics of a running EPS (``--metrics-port``), read when scraped.
+
+Nothing is recorded for the metrics on the request path: a collector reads the counters the
+EPS keeps anyway (stats.py: integers and one histogram, bumped on the event loop) and the
+core's state at scrape time, from the HTTP server's thread. Names follow Prometheus
+conventions (``l2l_eps_``, ``_total`` for counters, ``_seconds`` / ``_bytes`` units).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from protocol.endpoints import is_loopback_host
+
+from .stats import EpsStats
+
+log = logging.getLogger("eps_server")
+
+COUNTERS = {  # EpsStats field -> (metric name, help)
+    "messages": ("messages", "Messages received."),
+    "bad_messages": ("bad_messages", "Messages that did not decode."),
+    "fetches": ("fetches", "Layers served (LayerReady replies)."),
+    "pushes": ("pushes", "Gradients accepted and reduced."),
+    "updates": ("updates", "Layer updates (version advances, skipped ones included)."),
+    "steps_completed": ("steps_completed", "Steps every layer completed since the start."),
+    "overflow_steps": ("overflow_steps", "Steps with a non-finite gradient (fp16) or norm."),
+    "skipped_updates": ("skipped_updates", "Layer updates skipped for an overflow."),
+    "replies_dropped": ("replies_dropped", "Replies that could not be sent."),
+    "busy_refusals": ("busy_refusals", "Requests refused: too many waiting on a connection."),
+    "reduce_seconds": ("reduce_seconds", "Engine time spent adding gradients."),
+}
+
+
+class EpsCollector:
+    """Yields the metric families from ``stats`` and ``core()`` (None before the model)."""
+
+    def __init__(self, stats: EpsStats, core: Callable[[], object]):
+        self.stats, self.core = stats, core
+
+    def collect(self):
+        s = self.stats
+        for field, (name, doc) in COUNTERS.items():
+            yield CounterMetricFamily(f"l2l_eps_{name}", doc, value=getattr(s, field))
+        for what, doc in (("served", "Layer bytes sent to workers"),
+                          ("received", "Gradient bytes accepted from workers")):
+            c = CounterMetricFamily(f"l2l_eps_bytes_{what}", f"{doc}, by transport.",
+                                    labels=["transport"])
+            for transport in ("shm", "frames"):
+                c.add_metric([transport], getattr(s, f"bytes_{what}_{transport}"))
+            yield c
+        errors = CounterMetricFamily("l2l_eps_errors", "Error replies, by code.",
+                                     labels=["code"])
+        for code, n in sorted(s.errors.items()):
+            errors.add_metric([code], n)
+        yield errors
+        h = s.update_latency
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, h.bounds), "+Inf"], h.counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily("l2l_eps_update_seconds", "Time of one layer update on "
+                                    "its engine.", buckets=buckets, sum_value=h.sum)
+        yield GaugeMetricFamily("l2l_eps_reducing", "Gradients being reduced now (gradient "
+                                "slots in use, all workers).", value=s.reducing)
+        core = self.core()
+        if core is None:
+            return
+        versions = core.store.versions
+        yield GaugeMetricFamily("l2l_eps_step", "Steps completed by every layer (the lowest "
+                                "layer version).", value=max(0, min(versions)))
+        yield GaugeMetricFamily("l2l_eps_layers_ahead", "Layers already at the next version "
+                                "(eager updates under way).",
+                                value=sum(v > min(versions) for v in versions))
+        yield GaugeMetricFamily("l2l_eps_learning_rate", "Learning rate of the current step.",
+                                value=core.cfg.optimizer.lr_at(max(0, min(versions))))
+        yield GaugeMetricFamily("l2l_eps_loss_scale", "fp16 dynamic loss scale (1 otherwise).",
+                                value=core.scheduler.scaler.scale)
+        peers = core.peers.snapshot()
+        yield GaugeMetricFamily("l2l_eps_workers_connected", "Workers registered and alive.",
+                                value=sum(1 for p in peers if p.worker))
+        age = GaugeMetricFamily("l2l_eps_heartbeat_age_seconds", "Seconds since each worker "
+                                "was last heard from.", labels=["rank"])
+        now = core.peers.clock()
+        for p in peers:
+            if p.worker:
+                age.add_metric([str(p.rank)], max(0.0, now - p.last_seen))
+        yield age
+
+
+def serve(port: int, host: str, insecure: bool, stats: EpsStats, core: Callable[[], object]):
+    """Start the HTTP endpoint on its own thread; returns the server (``shutdown()`` it)."""
+    if not is_loopback_host(host) and not insecure:
+        raise ValueError(f"refusing to serve metrics on {host}: a non-loopback address "
+                         "exposes the run to anyone who can reach it (use --insecure)")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EpsCollector(stats, core))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    return server

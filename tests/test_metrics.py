@@ -1,0 +1,70 @@
+"""The EPS's Prometheus endpoint, scraped from outside during a real job."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from eps_server.config import ServerConfig
+
+from .helpers import SMALL
+from .test_server import raw_socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    """{(name, labels): value} of every sample."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
+
+
+def test_a_running_job_is_scraped(cluster):
+    port = free_port()
+    cluster.start_server(2, "--metrics-port", str(port), "--heartbeat-timeout", "5")
+    before = scrape(port)  # no model yet: the counters are there, the model's gauges not
+    assert before[("l2l_eps_messages_total", ())] == 0 and ("l2l_eps_step", ()) not in before
+    bad = raw_socket(cluster.endpoint)
+    bad.send_multipart([b"\xff", b"not a message"])
+    assert bad.poll(10_000) and bad.recv_multipart()
+    bad.close(0)
+    assert scrape(port)[("l2l_eps_errors_total", (("code", "bad_message"),))] == 1
+    workers = [cluster.worker(r, 2, *SMALL, "--steps", "30") for r in range(2)]
+    seen = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and all(w.poll() is None for w in workers):
+        m = scrape(port)
+        if m.get(("l2l_eps_workers_connected", ()), 0) == 2 and m[("l2l_eps_step", ())] >= 3:
+            seen = m
+            break
+        time.sleep(0.1)
+    assert seen, "never saw both workers and 3 steps"
+    L = 4  # embeddings, 2 blocks, head
+    assert seen[("l2l_eps_updates_total", ())] >= 3 * L
+    assert seen[("l2l_eps_pushes_total", ())] >= 2 * 3 * L
+    assert seen[("l2l_eps_update_seconds_count", ())] == seen[("l2l_eps_updates_total", ())]
+    assert seen[("l2l_eps_update_seconds_bucket", (("le", "+Inf"),))] == \
+        seen[("l2l_eps_update_seconds_count", ())]
+    assert seen[("l2l_eps_bytes_received_total", (("transport", "shm"),))] > 0
+    assert seen[("l2l_eps_bytes_received_total", (("transport", "frames"),))] == 0
+    for rank in ("0", "1"):
+        assert 0 <= seen[("l2l_eps_heartbeat_age_seconds", (("rank", rank),))] < 5
+    assert seen[("l2l_eps_learning_rate", ())] > 0 and seen[("l2l_eps_loss_scale", ())] == 1
+    for w in workers:
+        assert cluster.wait(w) == 0, cluster.log(w)
+    assert cluster.wait(cluster.server, 60) == 0
+
+
+def test_metrics_on_a_routable_address_need_insecure():
+    with pytest.raises(ValueError, match="--insecure"):
+        ServerConfig(metrics_port=9400, metrics_host="0.0.0.0")
+    assert ServerConfig(metrics_port=9400, metrics_host="0.0.0.0", insecure=True)
