@@ -85,6 +85,8 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
         "run_id": launcher.run_id, "world_size": n,
         "steps": len(losses), "first_step": progress[0]["step"] if progress else None,
         "losses": losses, "accuracy": accuracy,
+        "throughput": [p["samples"] / p["seconds"] if p["seconds"] > 0 else 0.0
+                       for p in progress],  # samples/s of each step (its slowest worker)
         "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
         "elapsed_seconds": elapsed,
         "workers": [{"rank": w["rank"], "device": w["device"],

@@ -158,7 +158,7 @@ class Launcher:
             parts[ev.rank] = ev
             if len(parts) != len(self.worker_argvs):
                 return
-            result = eval_result(ev.step, list(parts.values()))
+            result = eval_result(ev.step, list(parts.values())) | {"objective": ev.objective}
             self.evals.append(result)
         metric = (f"accuracy {result['accuracy']:.3f}" if ev.objective == "classify"
                   else f"perplexity {result['perplexity']:.3f}")
