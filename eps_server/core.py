@@ -37,6 +37,7 @@ from protocol.messages import (
     Status,
     StatusReply,
     Welcome,
+    WorkerInfo,
 )
 from protocol.trace import NULL, Tracer
 
@@ -208,7 +209,7 @@ class EpsCore:
                                    self.cfg.grad_slots, fresh=rejoined)
         outs = []
         replaced = self.peers.register(Peer(identity, msg.rank, transport, grad_dtype, msg.pid,
-                                            key))
+                                            key, host=msg.host))
         if replaced is not None:
             outs += self.data.fail_waiters(replaced.identity, "bad_request",
                                            f"rank {msg.rank} was replaced")
@@ -323,11 +324,17 @@ class EpsCore:
         return stats
 
     def _status(self, identity: bytes, msg: Status, frames) -> list[Out]:
+        now = self.peers.clock()
+        workers = tuple(WorkerInfo(rank=p.rank, pid=p.pid, host=p.host,
+                                   step=self.data.resume_point(p.rank)[0],
+                                   silent=round(now - p.last_seen, 3))
+                        for p in sorted(self.peers.snapshot(), key=lambda p: p.rank) if p.worker)
         return [Out(identity, StatusReply(
             req_id=msg.req_id, run_id=self.run_id, step=max(self.store.step, 0),
             versions=tuple(self.store.versions), world_size=self.cfg.world_size,
-            ranks=self.peers.ranks(),
-            stats=self.status_stats()))]
+            ranks=self.peers.ranks(), stats=self.status_stats(), workers=workers,
+            updated_ms=tuple(int(1000 * (now - t)) if t is not None else -1
+                             for t in self.data.published_at)))]
 
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
         peer = self.peers.get(identity)

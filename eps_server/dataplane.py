@@ -40,6 +40,7 @@ class DataPlane:
         self.peers, self.stats, self.stop_updating = peers, stats, stop_updating
         self.board = VersionBoard(store, gate_on_step=cfg.loss_scaling)
         self.parts = Contributions(store.num_layers, cfg.world_size)  # this step's pushes
+        self.published_at: list[float | None] = [None] * store.num_layers  # peers' clock
 
     def check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.store.num_layers:
@@ -127,6 +128,7 @@ class DataPlane:
     def publish(self, layer: int, version: int) -> list[Out]:
         """``layer`` reached ``version``: answer who waited for it; maybe a step completed."""
         skipped = self.parts.reset(layer)
+        self.published_at[layer] = self.peers.clock()
         if self.board.set(layer, version):
             self.scheduler.step_completed(self.board.step)
         outs = [self._layer_ready(w.peer, w.request, w.retained)

@@ -15,6 +15,7 @@ import logging
 from protocol.messages import (
     REQUESTS,
     Ack,
+    Bye,
     Hello,
     HyperAck,
     Message,
@@ -92,6 +93,9 @@ class Lobby:
                 return None, [Out(peer, Ack(req_id=msg.req_id))]
             if isinstance(msg, Hello):
                 return self._hello(peer, msg, frames, key)
+            if isinstance(msg, Bye) and peer in self.observers:
+                del self.observers[peer]
+                return None, [Out(peer, Ack(req_id=msg.req_id))]
             return None, [self._other(peer, msg, key)]
         except RequestError as e:
             return None, [error_out(peer, msg.req_id, e.code, str(e), e.field)]

@@ -33,6 +33,7 @@ class Peer:
     pid: int
     key: bytes = b""  # its CURVE public key (tcp with authentication), else empty
     last_seen: float = 0.0
+    host: str = ""
 
     @property
     def worker(self) -> bool:

@@ -1,6 +1,8 @@
 """l2l-ctl: look at and steer a running eps-server.
 
-    l2l-ctl [--endpoint E] status                 versions, ranks, counters (JSON)
+    l2l-ctl [--endpoint E] status [--watch] [--json]
+                                                  workers, layers, counters: a table (redrawn
+                                                  every --interval s with --watch), or JSON
     l2l-ctl [--endpoint E] set lr=1e-4 clip_norm=1.0
                                                   change hyperparameters from the next update
     l2l-ctl [--endpoint E] save DIR               checkpoint at the next step boundary
@@ -15,6 +17,7 @@ NAME.key_secret, whose public half is among the EPS's --curve-clients).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--curve-server-key", default="", help="CURVE: the EPS's public key file")
     p.add_argument("--curve-key", default="", help="CURVE: this client's secret key file")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status")
+    st = sub.add_parser("status")
+    st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    st.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
     s = sub.add_parser("set")
     s.add_argument("changes", nargs="+", metavar="KEY=VALUE")
     v = sub.add_parser("save")
@@ -70,10 +76,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         client.observe()
-        if a.command == "status":
+        if a.command == "status" and a.watch:
+            from .status import watch
+            watch(client, a.interval, a.json)
+            out = None
+        elif a.command == "status":
             r = client.status()
-            out = {"run_id": r.run_id, "step": r.step, "world_size": r.world_size,
-                   "ranks": list(r.ranks), "versions": list(r.versions), "stats": r.stats}
+            if not a.json:
+                from .status import render, show
+                show(render(r))
+                out = None
+            else:
+                out = as_json(r)
         elif a.command == "set":
             changes = {}
             for item in a.changes:
@@ -92,8 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.close()
-    print(json.dumps(out, indent=1))
+    if out is not None:
+        print(json.dumps(out, indent=1))
     return 0
+
+
+def as_json(r) -> dict:
+    return {"run_id": r.run_id, "step": r.step, "world_size": r.world_size,
+            "ranks": list(r.ranks), "versions": list(r.versions), "stats": r.stats,
+            "workers": [dataclasses.asdict(w) for w in r.workers],
+            "updated_ms": list(r.updated_ms)}
 
 
 def cleanup(dry_run: bool) -> int:

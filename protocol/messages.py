@@ -290,6 +290,19 @@ class StatusReply(Message):
     world_size: int
     ranks: tuple[int, ...]  # ranks that said Hello and not Bye
     stats: dict[str, int | float | str]
+    workers: tuple[WorkerInfo, ...] = ()
+    updated_ms: tuple[int, ...] = ()  # per layer: ms since its version last changed (-1: never)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """A registered worker, as StatusReply shows it."""
+
+    rank: int
+    pid: int
+    host: str
+    step: int  # the step it is in (the first the EPS lacks some of its gradients for)
+    silent: float  # seconds since it was last heard from
 
 
 @message(13)

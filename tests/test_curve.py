@@ -96,8 +96,8 @@ def test_an_authorised_worker_trains_over_tcp_and_a_control_client_evicts_nobody
     seen = []
     deadline = time.monotonic() + 120
     while w.poll() is None and time.monotonic() < deadline:
-        p = subprocess.run([*ctl, "status"], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                           timeout=60)
+        p = subprocess.run([*ctl, "status", "--json"], env=ENV, cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
         assert p.returncode == 0, p.stderr
         status = json.loads(p.stdout)
         seen.append(status["ranks"])

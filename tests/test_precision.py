@@ -179,7 +179,7 @@ def test_ctl_steers_a_running_server(cluster, tmp_path):
 
     code, out, _ = ctl("set", "lr=0.25", "schedule=cosine", "total_steps=50")
     assert code == 0 and json.loads(out)["lr"] == 0.25 and json.loads(out)["schedule"] == "cosine"
-    code, out, _ = ctl("status")
+    code, out, _ = ctl("status", "--json")
     assert code == 0 and json.loads(out)["stats"]["lr"] == 0.25
     code, _, err = ctl("set", "optimizer=lamb")
     assert code == 1 and "cannot change optimizer" in err

@@ -30,6 +30,7 @@ from protocol.messages import (
     Status,
     StatusReply,
     Welcome,
+    WorkerInfo,
 )
 from protocol.tensors import GROUPS, LayerSpec, Manifest, TensorSpec
 
@@ -91,6 +92,10 @@ SAMPLES = {
     Save: st.builds(Save, req_id=ids, path=st.text(min_size=1, max_size=40)),
     Status: st.builds(Status, req_id=ids),
     StatusReply: st.builds(StatusReply, req_id=ids, run_id=st.text(max_size=10), step=small,
+                           workers=st.lists(st.builds(
+                               WorkerInfo, rank=small, pid=small, host=st.text(max_size=10),
+                               step=small, silent=st.floats(0, 1e6)), max_size=3).map(tuple),
+                           updated_ms=st.lists(st.integers(-1, 2**40), max_size=4).map(tuple),
                            versions=st.lists(small, max_size=5).map(tuple), world_size=small,
                            ranks=st.lists(small, max_size=5).map(tuple),
                            stats=st.dictionaries(st.text(max_size=8),

@@ -1,0 +1,80 @@
+"""``l2l-ctl status`` as tables (rich): the job, its workers, its layers; ``watch`` redraws them
+(each redraw is one Status request, answered by the EPS from its bookkeeping).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+MAX_LAYER_ROWS = 24  # the rest are summarised in one line
+
+
+def render(r, rates: dict[int, float] | None = None) -> Group:
+    s = r.stats
+    head = Table.grid(padding=(0, 2))
+    mem = s.get("vmrss_bytes", 0) / 2**20
+    shm = s.get("rssshmem_bytes", 0) / 2**20
+    head.add_row(f"run [bold]{r.run_id}[/]", f"step [bold]{r.step}[/]",
+                 f"workers {len(r.ranks)}/{r.world_size}",
+                 f"lr {s.get('lr_now', s.get('lr', 0)):.3g}",
+                 f"loss scale {s.get('loss_scale', 1):g}",
+                 f"EPS memory {mem:,.0f} MiB ({shm:,.0f} MiB shared)",
+                 f"pushes {s.get('pushes', 0):,}", f"errors: {s.get('bad_messages', 0)} "
+                 f"undecodable, {s.get('busy_refusals', 0)} busy")
+    workers = Table(title="workers", title_justify="left")
+    for col in ("rank", "host", "pid", "step", "steps/s", "last seen"):
+        workers.add_column(col, justify="right" if col != "host" else "left")
+    for w in r.workers:
+        rate = (rates or {}).get(w.rank)
+        workers.add_row(str(w.rank), w.host, str(w.pid), str(w.step),
+                        "-" if rate is None else f"{rate:.2f}", f"{w.silent:.1f} s ago")
+    layers = Table(title="layers", title_justify="left")
+    for col in ("layer", "version", "last update"):
+        layers.add_column(col, justify="right")
+    shown = list(enumerate(zip(r.versions, r.updated_ms or [-1] * len(r.versions))))
+    for i, (v, ms) in shown[:MAX_LAYER_ROWS]:
+        layers.add_row(str(i), str(v), "-" if ms < 0 else f"{ms / 1000:.1f} s ago")
+    if len(shown) > MAX_LAYER_ROWS:
+        rest = [v for _, (v, _) in shown[MAX_LAYER_ROWS:]]
+        layers.add_row(f"{MAX_LAYER_ROWS}..{len(shown) - 1}", f"{min(rest)}..{max(rest)}", "")
+    return Group(head, workers, layers)
+
+
+def show(renderable) -> None:
+    Console().print(renderable)
+
+
+def watch(client, interval: float, as_json: bool) -> None:
+    """Redraw every ``interval`` s until Ctrl-C (``as_json``: one JSON line per poll)."""
+    last: dict[int, tuple[float, int]] = {}
+    rates: dict[int, float] = {}
+    try:
+        with Live(auto_refresh=False) if not as_json else _Null() as live:
+            while True:
+                r = client.status()
+                now = time.monotonic()
+                for w in r.workers:
+                    if w.rank in last and now > last[w.rank][0]:
+                        rates[w.rank] = (w.step - last[w.rank][1]) / (now - last[w.rank][0])
+                    last[w.rank] = (now, w.step)
+                if as_json:
+                    from .ctl import as_json as to_dict
+                    print(json.dumps(to_dict(r)), flush=True)
+                else:
+                    live.update(render(r, rates), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,51 @@
+"""l2l-ctl status: a table of the running job, JSON for scripts, --watch redraws."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from .helpers import ENV, ROOT, SMALL
+
+CTL = [sys.executable, "-m", "launch.ctl"]
+
+
+def test_status_shows_workers_and_layers_of_a_running_job(cluster):
+    cluster.start_server(1, "--heartbeat-timeout", "5")
+    w = cluster.worker(0, 1, *SMALL, "--steps", "400")
+    ctl = [*CTL, "--endpoint", cluster.endpoint, "status"]
+    deadline = time.monotonic() + 120
+    while True:
+        p = subprocess.run([*ctl, "--json"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0, p.stderr
+        s = json.loads(p.stdout)
+        if s["step"] >= 2 and s["workers"]:
+            break
+        assert time.monotonic() < deadline and w.poll() is None, cluster.log(w)
+        time.sleep(0.2)
+    [worker] = s["workers"]
+    assert worker["rank"] == 0 and worker["pid"] == w.pid and worker["host"]
+    assert worker["step"] >= s["step"] and 0 <= worker["silent"] < 5
+    assert len(s["updated_ms"]) == len(s["versions"]) == 4
+    assert all(0 <= ms < 60_000 for ms in s["updated_ms"])
+    table = subprocess.run(ctl, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    assert "workers" in table.stdout and "layers" in table.stdout and "last update" in \
+        table.stdout
+    watch = subprocess.Popen([*ctl, "--watch", "--json", "--interval", "0.2"], env=ENV,
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = watch.stdout.readline()  # once it is up
+        time.sleep(1.5)
+    finally:
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+    assert first, err  # it polled at least once before it was interrupted
+    polls = [json.loads(line) for line in [first, *out.splitlines()]]
+    assert len(polls) >= 3 and polls[-1]["step"] >= polls[0]["step"]
+    assert watch.returncode == 0, err
+    w.kill()
