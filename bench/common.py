@@ -36,7 +36,8 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
     ``step_seconds`` and ``peak_memory_bytes``)."""
     with tempfile.TemporaryDirectory(prefix="l2l-bench-") as tmp:
         summary = os.path.join(tmp, "summary.json")
-        argv = [sys.executable, "-m", "launch", "--quiet", "--workers", str(workers),
+        argv = [sys.executable, "-m", "launch", "--quiet", "--runs-dir",
+                os.path.join(tmp, "runs"), "--workers", str(workers),
                 "--steps", str(steps), "--summary-json", summary, *model_args, *extra, *server]
         p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:

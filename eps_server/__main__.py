@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     server = EpsServer(cfg)
     try:
         uvloop.run(server.serve())
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad settings, a port or file the machine refused
         logging.getLogger("eps_server").error("%s", e)
         return 2
     finally:

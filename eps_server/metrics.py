@@ -1,8 +1,9 @@
 """Prometheus metrics of a running EPS (``--metrics-port``), read when scraped.
 
-Nothing is recorded for the metrics on the request path: a collector reads the counters the
-EPS keeps anyway (stats.py: integers and one histogram, bumped on the event loop) and the
-core's state at scrape time, from the HTTP server's thread. Names follow Prometheus
+Nothing is formatted, locked or written for them on the request path: the EPS bumps plain
+integers (stats.py, and one histogram per update) on its event loop whether or not metrics
+are on, and a collector reads those and the core's state when scraped, from the HTTP
+server's thread. Names follow Prometheus
 conventions (``l2l_eps_``, ``_total`` for counters, ``_seconds`` / ``_bytes`` units).
 """
 
@@ -68,8 +69,8 @@ class EpsCollector:
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily("l2l_eps_update_seconds", "Time of one layer update on "
                                     "its engine.", buckets=buckets, sum_value=h.sum)
-        yield GaugeMetricFamily("l2l_eps_reducing", "Gradients being reduced now (gradient "
-                                "slots in use, all workers).", value=s.reducing)
+        yield GaugeMetricFamily("l2l_eps_reducing", "Gradients accepted and being reduced now "
+                                "(all workers).", value=s.reducing)
         core = self.core()
         if core is None:
             return

@@ -44,7 +44,7 @@ class EpsStats:
     bytes_received_frames: int = 0
     """Gradient bytes received as frames (accepted pushes)."""
     reducing: int = 0
-    """Gradients being reduced now (gradient slots in use, all ranks)."""
+    """Gradients accepted and being reduced now (all ranks)."""
 
     def __post_init__(self) -> None:
         # Not part of snapshot() (StatusReply carries plain numbers): for the metrics.

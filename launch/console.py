@@ -21,8 +21,10 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-# A child's log line worth showing without --verbose (the children log "... LEVEL message").
-LOUD = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback|^\S*(Error|Exception)\b")
+# A child's log line worth showing without --verbose (the children log "... LEVEL message"),
+# and the lines of a traceback (shown whole: from "Traceback" to its unindented last line).
+LOUD = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^\S*(Error|Exception)\b|^Fatal Python error")
+TRACEBACK = re.compile(r"^Traceback \(most recent call last\)")
 SMOOTHING = 0.9  # the bar's loss: an exponential moving average
 
 
@@ -35,6 +37,7 @@ class Console:
         self.tty = self.out.isatty() if tty is None else tty
         self._lock = threading.Lock()
         self._files: dict[str, TextIO] = {}
+        self._traceback: set[str] = set()  # children in the middle of printing a traceback
         self._loss: float | None = None
         self._bar: tqdm | None = None
         os.makedirs(log_dir, exist_ok=True)
@@ -48,9 +51,15 @@ class Console:
             f = self._files.get(name)
             if f is None:
                 f = self._files[name] = open(os.path.join(self.log_dir, f"{name}.log"), "a",
-                                             buffering=1)
+                                             buffering=1, encoding="utf-8", errors="replace")
             f.write(line + "\n")
-            if self.verbose or (not self.quiet and LOUD.search(line)):
+            if TRACEBACK.match(line):
+                self._traceback.add(name)
+            loud = name in self._traceback or LOUD.search(line)
+            if name in self._traceback and line and not line[0].isspace() and \
+                    not TRACEBACK.match(line) and not line.startswith("During handling"):
+                self._traceback.discard(name)  # its last line: "SomeError: ..."
+            if self.verbose or (not self.quiet and loud):
                 self._write(f"[{name}] {line}", sys.stderr)
 
     def note(self, text: str, err: bool = True) -> None:

@@ -67,8 +67,7 @@ class Launcher:
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
         # A checkpoint already there is another run's (or the one this run loaded): never one
         # to restart from.
-        found = latest(checkpoints) if checkpoints else None
-        self._foreign = found[0] if found else None
+        self._foreign = _stamp(checkpoints)
         self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
         self.children: list[Child] = []
         self.workers: dict[int, Child] = {}
@@ -81,6 +80,7 @@ class Launcher:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self.failure: str | None = None
+        self._log_failed: Exception | None = None  # a child log line that could not be kept
         self.eps_stats: dict = {}
 
     # ------------------------------------------------------------------------- children
@@ -109,8 +109,11 @@ class Launcher:
 
     def _log(self, name: str, stream) -> None:
         with stream:
-            for line in stream:
-                self.console.log(name, line)
+            for line in stream:  # keep draining whatever happens, or the child blocks
+                try:
+                    self.console.log(name, line)
+                except Exception as e:  # e.g. the disk is full: the job goes on
+                    self._log_failed = self._log_failed or e
 
     def _events(self, name: str, stream) -> None:
         with stream:
@@ -309,7 +312,7 @@ class Launcher:
         """The EPS died: stop the workers, start everything again from its last checkpoint."""
         self.stop_all()
         found = latest(self.checkpoints) if self.checkpoints else None
-        step = found[1] if found and found[0] != self._foreign else None
+        step = found[1] if found and _stamp(self.checkpoints) != self._foreign else None
         done = self._completed()
         with self._lock:  # steps after the checkpoint are trained (and reported) again
             start = step if step is not None else min(self.events, default=0)
@@ -365,6 +368,18 @@ def eval_result(step: int, parts: list) -> dict:
     loss = sum(p.loss_sum for p in parts) / count
     return {"step": step, "loss": loss, "accuracy": sum(p.correct for p in parts) / count,
             "perplexity": math.exp(min(loss, 50.0)), "count": count}
+
+
+def _stamp(root: str):
+    """What tells one checkpoint from another at ``root``'s latest: its path and when it was
+    written (a new one may reuse an old one's name)."""
+    found = latest(root) if root else None
+    if found is None:
+        return None
+    try:
+        return found[0], os.stat(os.path.join(found[0], "state.json")).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

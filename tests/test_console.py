@@ -6,11 +6,21 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
+import sys
 
 from launch.console import Console
 
-from .helpers import SMALL
-from .test_launch import launch
+from .helpers import ENV, SMALL
+
+
+def launch(tmp_path, *args):
+    """l2l-launch as a user runs it (not --quiet), in ``tmp_path``."""
+    summary = tmp_path / "summary.json"
+    p = subprocess.run([sys.executable, "-m", "launch", "--endpoint", f"ipc://{tmp_path}/e.sock",
+                        "--summary-json", str(summary), *args], env=ENV, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=240)
+    return p, json.loads(summary.read_text()), None
 
 
 def row(step: int, loss: float = 1.0) -> dict:

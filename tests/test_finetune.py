@@ -24,7 +24,9 @@ def test_fine_tuning_minilm_lifts_eval_accuracy(tmp_path):
     bag-of-words logistic regression reaches 0.67 on this data (data/make_sentiment.py)."""
     model = os.path.join(os.path.dirname(minilm.__file__), "model")
     summary = tmp_path / "s.json"
-    p = subprocess.run([sys.executable, "-m", "launch", "--quiet", "--workers", "2",
+    p = subprocess.run([sys.executable, "-m", "launch", "--quiet",
+                        "--runs-dir", str(tmp_path / "runs"),
+                        "--workers", "2",
                         "--model", f"hf:{model}", "--classes", "2", "--seq-len", "32",
                         "--data", str(ROOT / "data/sentiment-train.tsv"),
                         "--eval-data", str(ROOT / "data/sentiment-dev.tsv"),

@@ -93,7 +93,9 @@ def test_eval_perplexity_falls_on_a_text_file(tmp_path):
     train = fx.phrase_text(tmp_path / "train.txt", lines=400)
     dev = fx.phrase_text(tmp_path / "dev.txt", lines=60, sample_seed=1)  # held out
     summary = tmp_path / "s.json"
-    p = subprocess.run([sys.executable, "-m", "launch", "--quiet", "--workers", "2",
+    p = subprocess.run([sys.executable, "-m", "launch", "--quiet",
+                        "--runs-dir", str(tmp_path / "runs"),
+                        "--workers", "2",
                         "--model", f"hf:{path}", "--data", str(train), "--eval-data", str(dev),
                         "--eval-every", "15", "--steps", "30", "--seq-len", "32",
                         "--micro-batch-size", "8", "--lr", "3e-3", "--threads", "1",

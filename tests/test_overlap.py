@@ -99,7 +99,9 @@ def test_local_baseline_is_plain_training():
 
 def test_trace_shows_worker_and_eps_spans(tmp_path):
     trace = tmp_path / "trace.json"
-    p = subprocess.run([sys.executable, "-m", "launch", "--quiet", "--workers", "2",
+    p = subprocess.run([sys.executable, "-m", "launch", "--quiet",
+                        "--runs-dir", str(tmp_path / "runs"),
+                        "--workers", "2",
                         "--steps", "3", *SMALL, "--trace", str(trace),
                         "--endpoint", f"ipc://{tmp_path}/eps.sock"],
                        env=ENV, capture_output=True, text=True, timeout=120)

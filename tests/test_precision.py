@@ -142,7 +142,9 @@ def test_bf16_gradients_are_reduced_in_fp32(cluster, close_clients):
 
 def launch(tmp_path, name, *args):
     summary = tmp_path / f"{name}.json"
-    p = subprocess.run([sys.executable, "-m", "launch", "--quiet", "--summary-json",
+    p = subprocess.run([sys.executable, "-m", "launch", "--quiet",
+                        "--runs-dir", str(tmp_path / "runs"),
+                        "--summary-json",
                         str(summary), "--endpoint", f"ipc://{tmp_path}/{name}.sock", *args],
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

@@ -55,7 +55,7 @@ def recovered(tmp_path, fault: str, *extra: str) -> tuple[dict, bytes]:
 
 @pytest.mark.parametrize("fault,update", [
     ("1:2:B1", "eager"),  # backward: layers 3 and 2 pushed (and maybe updated) already
-    ("1:1:F2", "deferred"),  # forward, nothing pushed yet
+    pytest.param("1:1:F2", "deferred", marks=pytest.mark.slow),  # forward, nothing pushed yet
     pytest.param("0:2:H3", "eager", marks=pytest.mark.slow),  # the head: nothing pushed
     pytest.param("1:1:B1", "deferred", marks=pytest.mark.slow),
     pytest.param("1:1:E", "eager", marks=pytest.mark.slow),  # between steps: all pushed
@@ -81,6 +81,7 @@ def test_a_hung_worker_is_declared_dead_killed_and_replaced(tmp_path, reference)
     assert weights == reference("eager")
 
 
+@pytest.mark.slow  # the default suite has a killed worker failing the job (test_launch.py)
 def test_without_restarts_a_hung_worker_fails_the_job_cleanly(tmp_path):
     p, s, endpoint = launch(tmp_path, *JOB, "--fault", "1:1:F1:stop")
     assert p.returncode == 1
@@ -128,3 +129,33 @@ def test_a_killed_eps_restarts_the_job_from_its_last_checkpoint(tmp_path, refere
     assert p2.returncode == 0, p2.stderr
     assert (tmp_path / "m.st").read_bytes() == (ref / "m.st").read_bytes()
     assert not list_regions(f"l2l-{s['run_id']}-")
+
+
+@pytest.mark.slow
+def test_a_killed_eps_never_restarts_from_another_runs_checkpoint(tmp_path):
+    """--server-save already holds an earlier run's checkpoint; the EPS dies before this run
+    wrote one: the job restarts from its own start, not from the stranger's weights."""
+    ck = tmp_path / "ck"
+    p, s, _ = launch(tmp_path, "--workers", "1", "--steps", "3", *SMALL, "--server-save", str(ck))
+    assert p.returncode == 0 and (ck / "latest").exists(), p.stderr
+    endpoint, summary = f"ipc://{tmp_path}/b.sock", tmp_path / "b.json"
+    job = subprocess.Popen([*LAUNCH, "--endpoint", endpoint, "--summary-json", str(summary),
+                            "--workers", "1", "--steps", "8", *SMALL, "--max-restarts", "1",
+                            "--server-save", str(ck), "--log-every", "1"],
+                           env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        for line in job.stdout:  # once this run has trained a step (no checkpoint of its own)
+            if line.startswith("step ") and "/8" in line:
+                break
+        [eps] = [pid for pid in processes_with(endpoint) if b"eps_server" in
+                 open(f"/proc/{pid}/cmdline", "rb").read()]
+        os.kill(eps, signal.SIGKILL)
+        job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0
+    [restart] = json.loads(summary.read_text())["restarts"]
+    assert restart["checkpoint_step"] is None, restart  # not the earlier run's step 3
