@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -54,7 +55,7 @@ def watch(client, interval: float, as_json: bool) -> None:
     last: dict[int, tuple[float, int]] = {}
     rates: dict[int, float] = {}
     try:
-        with Live(auto_refresh=False) if not as_json else _Null() as live:
+        with Live(auto_refresh=False) if not as_json else contextlib.nullcontext() as live:
             while True:
                 r = client.status()
                 now = time.monotonic()
@@ -70,11 +71,3 @@ def watch(client, interval: float, as_json: bool) -> None:
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -17,6 +17,22 @@ def cluster(tmp_path):
         c.close()
 
 
+@pytest.fixture
+def make():
+    """Harness factory (an in-process EPS core each); every one is closed after the test."""
+    from .test_core import Harness
+
+    made = []
+
+    def factory(*args, **kw):
+        made.append(Harness(*args, **kw))
+        return made[-1]
+
+    yield factory
+    for h in made:
+        h.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_regions():
     """Every test run must leave /dev/shm as it found it."""

@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,13 @@ class Cluster:
 
     def leftover_regions(self) -> list[str]:
         return list_regions(f"l2l-{self.run_id}-")
+
+
+def free_port() -> int:
+    """A loopback tcp port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pids_alive(pids) -> list[int]:

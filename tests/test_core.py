@@ -130,19 +130,6 @@ class Harness:
             self.core.close(final_save=False)
 
 
-@pytest.fixture
-def make():
-    made = []
-
-    def factory(*args, **kw):
-        made.append(Harness(*args, **kw))
-        return made[-1]
-
-    yield factory
-    for h in made:
-        h.close()
-
-
 def grad_of(layer, value, dtype=torch.float32):
     """``value`` in every element of the layer's tensors, zero padding."""
     g = torch.zeros(LAYOUT.layers[layer].numel, dtype=dtype)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,10 @@ from protocol.endpoints import check_bind
 from protocol.messages import Bye
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
 
-from .helpers import ENV, ROOT, SMALL
+from .helpers import ENV, ROOT, SMALL, free_port
 from .test_server import MANIFEST, refused
 
 CTL = [sys.executable, "-m", "launch.ctl"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from protocol import codec
 from protocol.messages import Fetch, GradAck, Hello, LayerReady, SetHyper, Status
 from worker.eps_client import EpsClient
 
-from .test_core import Harness, error, grad_of
+from .test_core import error, grad_of
 from .test_server import bootstrap, raw_socket
 
 
@@ -57,19 +57,6 @@ def test_a_manifest_bomb_is_refused():
                           "manifest_hash": "x", "manifest": {"layers": layers}})
     with pytest.raises(codec.DecodeError):
         codec.decode([bytes((Hello.KIND,)), body])
-
-
-@pytest.fixture
-def make():
-    made = []
-
-    def factory(*args, **kw):
-        made.append(Harness(*args, **kw))
-        return made[-1]
-
-    yield factory
-    for h in made:
-        h.close()
 
 
 def test_waiting_requests_per_connection_are_bounded(make):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -11,14 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eps_server.config import ServerConfig
 
-from .helpers import SMALL
+from .helpers import SMALL, free_port
 from .test_server import raw_socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict:

@@ -10,7 +10,6 @@ interleaving, and whether the dead process comes back to life and tries to push.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,14 +21,6 @@ from .test_core import MANIFEST, PROTOCOL_VERSION, SGD, Harness, L, error, grad_
 
 STEPS = 3
 TIMEOUT = 10.0
-
-
-@pytest.fixture
-def make():
-    made = []
-    yield lambda *a, **kw: made.append(Harness(*a, **kw)) or made[-1]
-    for h in made:
-        h.close()
 
 
 class Rank:

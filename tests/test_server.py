@@ -20,7 +20,7 @@ from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
 from worker.job import join
 
-from .helpers import SMALL
+from .helpers import SMALL, free_port
 
 MANIFEST = Manifest(layers=tuple(
     LayerSpec(name=f"l{i}", kind="k", tensors=(TensorSpec(name="w", shape=(4, 8)),
@@ -250,12 +250,7 @@ def test_control_over_tcp_needs_a_hello_and_an_observer_takes_no_rank(cluster, t
     """On a tcp endpoint (loopback without CURVE: any local user can connect) only peers that
     said Hello may make the server write files or change hyperparameters; a control client
     says Hello as an observer, which holds no rank."""
-    import socket as pysocket
-
-    with pysocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cluster.endpoint = f"tcp://127.0.0.1:{port}"
+    cluster.endpoint = f"tcp://127.0.0.1:{free_port()}"
     cluster.start_server(1)
     c, w = EpsClient(cluster.endpoint, timeout=20), EpsClient(cluster.endpoint, timeout=20)
     try:
@@ -306,48 +301,48 @@ def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(client, tmp_pa
     assert os.path.exists(os.path.join(resolve(str(tmp_path / "ckpt")), "state.json"))
 
 
-def test_a_worker_whose_loop_stalls_stops_its_heartbeats_and_is_declared_dead(cluster):
+@pytest.fixture
+def beating(cluster):
+    """(a bootstrapped worker client heartbeating with a 1 s stall timeout, an observer) on an
+    EPS with a 0.5 s heartbeat timeout."""
+    cluster.start_server(1, "--heartbeat-timeout", "0.5")
+    w, ctl = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
+    try:
+        ctl.observe()
+        welcome = bootstrap(w)
+        w.start_heartbeats(welcome.heartbeat_interval, stall_timeout=1.0)
+        yield w, ctl
+    finally:
+        w.close()
+        ctl.close()
+
+
+def test_a_worker_whose_loop_stalls_stops_its_heartbeats_and_is_declared_dead(beating):
     """The I/O thread beats only while the loop makes progress (tick or a request): a stuck
     loop falls silent and the EPS frees its rank; the worker is then told it was dropped."""
-    cluster.start_server(1, "--heartbeat-timeout", "0.5")
-    w, ctl = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
-    try:
-        ctl.observe()
-        welcome = bootstrap(w)
-        w.start_heartbeats(welcome.heartbeat_interval, stall_timeout=1.0)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:  # progressing for 4 heartbeat timeouts
-            w.tick()
-            time.sleep(0.05)
-            assert ctl.status().ranks == (0,)
-        stalled = time.monotonic()
-        while ctl.status().ranks == (0,):
-            assert time.monotonic() - stalled < 10, "a stalled worker was never declared dead"
-            time.sleep(0.05)
-        # Silent after the stall timeout (1 s), then dead after the heartbeat timeout (0.5 s).
-        assert time.monotonic() - stalled >= 1.0
-        with pytest.raises(EpsDisconnected, match="declared dead"):
-            w.status()  # its next heartbeat or request is refused: not_registered
-            time.sleep(2)
-            w.status()
-    finally:
-        w.close()
-        ctl.close()
+    w, ctl = beating
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # progressing for 4 heartbeat timeouts
+        w.tick()
+        time.sleep(0.05)
+        assert ctl.status().ranks == (0,)
+    stalled = time.monotonic()
+    while ctl.status().ranks == (0,):
+        assert time.monotonic() - stalled < 10, "a stalled worker was never declared dead"
+        time.sleep(0.05)
+    # Silent after the stall timeout (1 s), then dead after the heartbeat timeout (0.5 s).
+    assert time.monotonic() - stalled >= 1.0
+    with pytest.raises(EpsDisconnected, match="declared dead"):
+        w.status()  # its next heartbeat or request is refused: not_registered
+        time.sleep(2)
+        w.status()
 
 
-def test_a_worker_waiting_for_the_eps_is_not_stalled(cluster):
+def test_a_worker_waiting_for_the_eps_is_not_stalled(beating):
     """Blocked in a wait for a version the EPS has not made yet (another rank is slow), the
     loop makes no progress of its own, but its heartbeats go on: it is not declared dead."""
-    cluster.start_server(1, "--heartbeat-timeout", "0.5")
-    w, ctl = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
-    try:
-        ctl.observe()
-        welcome = bootstrap(w)
-        w.start_heartbeats(welcome.heartbeat_interval, stall_timeout=1.0)
-        fut = w.fetch(0, 1)  # version 1 needs a push nobody sends
-        with pytest.raises(TimeoutError):
-            w.wait(fut, timeout=3.0)  # 3x the stall timeout
-        assert ctl.status().ranks == (0,)
-    finally:
-        w.close()
-        ctl.close()
+    w, ctl = beating
+    fut = w.fetch(0, 1)  # version 1 needs a push nobody sends
+    with pytest.raises(TimeoutError):
+        w.wait(fut, timeout=3.0)  # 3x the stall timeout
+    assert ctl.status().ranks == (0,)
