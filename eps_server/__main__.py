@@ -18,7 +18,7 @@ import uvloop
 from protocol import cli
 from protocol.lifecycle import die_with_parent
 
-from .config import ServerArgs
+from .config import ServerArgs, ServerConfig
 from .server import EpsServer
 
 
@@ -29,6 +29,11 @@ def parse(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv).server
     die_with_parent()
+    return run(cfg)
+
+
+def run(cfg: ServerConfig) -> int:
+    """Serve until the job is done or a signal stops it; the exit status."""
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s eps-server %(levelname)s %(message)s")
     server = EpsServer(cfg)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from protocol.messages import (
+    ANY_RANK,
     PROTOCOL_VERSION,
     Ack,
     ArenaReady,
@@ -179,7 +180,9 @@ class EpsCore:
         self._lost.append(peer)
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
-        self.peers.get(identity)
+        peer = self.peers.get(identity)
+        if msg.report is not None and peer.worker:
+            peer.report = msg.report
         return [Out(identity, Ack(req_id=msg.req_id))]
 
     def _hello(self, identity: bytes, msg: Hello, key: bytes) -> list[Out]:
@@ -191,29 +194,30 @@ class EpsCore:
         check_model(self.store, msg)
         self._expire()  # a holder silent past the timeout is gone now, not at the next tick
         # Before any registration: a failure here changes nothing.
-        self.peers.check_free(msg.rank, identity, key)
-        rejoined = msg.rank in self.peers.ever
-        step, pushed = self.data.resume_point(msg.rank)
+        rank = self.peers.free_rank(identity) if msg.rank == ANY_RANK else msg.rank
+        self.peers.check_free(rank, identity, key)
+        rejoined = rank in self.peers.ever
+        step, pushed = self.data.resume_point(rank)
         if self.store.retained_region is None and (pushed or max(self.store.versions) > step):
-            raise RequestError("bad_request", f"rank {msg.rank} cannot redo step {step} exactly: "
+            raise RequestError("bad_request", f"rank {rank} cannot redo step {step} exactly: "
                                "its predecessor pushed layers of it, which may be updated while "
                                "they are read again, and this server keeps no previous "
                                "versions (start it with --recovery); restart the job from its "
                                "last checkpoint")
         init_layers = ()
-        if msg.rank == self.initialiser:  # a restarted initialiser finishes the job
+        if rank == self.initialiser:  # a restarted initialiser finishes the job
             init_layers = tuple(i for i, v in enumerate(self.store.versions)
                                 if v < 0 and i not in self.initialising)
         # A replacement gets new gradient slots: the old ones may still be read by reductions.
-        transport = make_transport(msg.transport, self.store, msg.rank, grad_dtype,
+        transport = make_transport(msg.transport, self.store, rank, grad_dtype,
                                    self.cfg.grad_slots, fresh=rejoined)
         outs = []
-        replaced = self.peers.register(Peer(identity, msg.rank, transport, grad_dtype, msg.pid,
+        replaced = self.peers.register(Peer(identity, rank, transport, grad_dtype, msg.pid,
                                             key, host=msg.host))
         if replaced is not None:
             outs += self.data.fail_waiters(replaced.identity, "bad_request",
-                                           f"rank {msg.rank} was replaced")
-        log.info("hello from rank %d (pid %d, %s, %s)%s", msg.rank, msg.pid, msg.host,
+                                           f"rank {rank} was replaced")
+        log.info("hello from rank %d (pid %d, %s, %s)%s", rank, msg.pid, msg.host,
                  msg.transport, f": resumes step {step}, {len(pushed)} layers of it pushed "
                  "already" if rejoined else "")
         return outs + [Out(identity, Welcome(
@@ -224,7 +228,7 @@ class EpsCore:
             master=self.store.master_info(), compute=self.store.compute_info(),
             grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_layer_numel,
             world_size=self.cfg.world_size, optimizer=self.cfg.optimizer.as_dict(),
-            **transport.welcome()))]
+            rank=rank, **transport.welcome()))]
 
     def _init(self, identity: bytes, msg: InitLayer, frames) -> list[Out]:
         peer = self.peers.worker(identity)
@@ -327,7 +331,7 @@ class EpsCore:
         now = self.peers.clock()
         workers = tuple(WorkerInfo(rank=p.rank, pid=p.pid, host=p.host,
                                    step=self.data.resume_point(p.rank)[0],
-                                   silent=round(now - p.last_seen, 3))
+                                   silent=round(now - p.last_seen, 3), report=p.report)
                         for p in sorted(self.peers.snapshot(), key=lambda p: p.rank) if p.worker)
         return [Out(identity, StatusReply(
             req_id=msg.req_id, run_id=self.run_id, step=max(self.store.step, 0),

@@ -112,7 +112,7 @@ class Lobby:
             raise RequestError("bad_request", "manifest_hash does not match the manifest",
                                "manifest_hash")
         try:
-            core = create_core(self.cfg, msg.manifest, self.run_id, initialiser=msg.rank,
+            core = create_core(self.cfg, msg.manifest, self.run_id, initialiser=max(msg.rank, 0),
                                stats=self.stats, **self.core_kw)
         except OSError as e:
             raise RequestError("resource", f"cannot hold this model: {e}") from None

@@ -4,7 +4,9 @@ Nothing is formatted, locked or written for them on the request path: the EPS bu
 integers (stats.py, and one histogram per update) on its event loop whether or not metrics
 are on, and a collector reads those and the core's state when scraped, from the HTTP
 server's thread. Names follow Prometheus
-conventions (``l2l_eps_``, ``_total`` for counters, ``_seconds`` / ``_bytes`` units).
+conventions (``l2l_eps_``, ``_total`` for counters, ``_seconds`` / ``_bytes`` units). The
+workers' own figures (``l2l_worker_*``, labelled by rank) come with their heartbeats, so one
+endpoint shows the whole job.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ COUNTERS = {  # EpsStats field -> (metric name, help)
     "replies_dropped": ("replies_dropped", "Replies that could not be sent."),
     "busy_refusals": ("busy_refusals", "Requests refused: too many waiting on a connection."),
     "reduce_seconds": ("reduce_seconds", "Engine time spent adding gradients."),
+}
+# WorkerReport field -> (metric name, help): each worker's latest report (its heartbeats).
+WORKER_GAUGES = {
+    "steps": ("steps", "Steps the worker has finished."),
+    "loss": ("loss", "Mean loss of the worker's micro-batches in its last step."),
+    "step_seconds": ("step_seconds", "Wall time of the worker's last step."),
+    "fetch_wait": ("fetch_wait_seconds", "Time of its last step spent waiting for weights."),
+    "push_wait": ("push_wait_seconds", "Time of its last step spent waiting for gradient "
+                  "slots or push acks."),
+    "samples_per_sec": ("samples_per_second", "The worker's throughput over its steps."),
+    "memory": ("memory_bytes", "Device memory the worker uses now (CPU: private RSS)."),
+    "peak_memory": ("peak_memory_bytes", "The most device memory the worker has used."),
 }
 
 
@@ -94,6 +108,22 @@ class EpsCollector:
             if p.worker:
                 age.add_metric([str(p.rank)], max(0.0, now - p.last_seen))
         yield age
+        yield from worker_metrics([p for p in peers if p.worker and p.report is not None])
+
+
+def worker_metrics(peers):
+    """``l2l_worker_*`` gauges, one sample per rank, from the workers' latest reports."""
+    reports = [(str(p.rank), p.report) for p in peers]
+    for field, (name, doc) in WORKER_GAUGES.items():
+        g = GaugeMetricFamily(f"l2l_worker_{name}", doc, labels=["rank"])
+        for rank, r in reports:
+            g.add_metric([rank], getattr(r, field))
+        yield g
+    compute = GaugeMetricFamily("l2l_worker_compute_seconds", "Time of its last step not "
+                                "spent waiting for the EPS.", labels=["rank"])
+    for rank, r in reports:
+        compute.add_metric([rank], max(0.0, r.step_seconds - r.fetch_wait - r.push_wait))
+    yield compute
 
 
 def serve(port: int, host: str, insecure: bool, stats: EpsStats, core: Callable[[], object]):

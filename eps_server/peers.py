@@ -4,7 +4,8 @@ heard from, and the checks every Hello passes.
 A rank is held by one connection. A Hello for a rank another connection holds is refused
 ("rank_taken") while that one is alive, i.e. was heard from within the heartbeat timeout;
 once it is silent for longer it is declared dead (``expire``) and the rank is free for a
-replacement. Observers (control clients) hold no rank and evict nobody.
+replacement. A Hello may ask for any rank (ANY_RANK): it gets the lowest free one.
+Observers (control clients) hold no rank and evict nobody.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.messages import PROTOCOL_VERSION, Hello
+from protocol.messages import PROTOCOL_VERSION, Hello, WorkerReport
 from protocol.tensors import manifest_difference
 
 from .config import ServerConfig
@@ -34,6 +35,7 @@ class Peer:
     key: bytes = b""  # its CURVE public key (tcp with authentication), else empty
     last_seen: float = 0.0
     host: str = ""
+    report: WorkerReport | None = None  # a worker's latest (its heartbeats)
 
     @property
     def worker(self) -> bool:
@@ -74,6 +76,22 @@ class Peers:
 
     def holder(self, rank: int) -> Peer | None:
         return next((p for p in self._by_identity.values() if p.rank == rank), None)
+
+    def free_rank(self, identity: bytes) -> int:
+        """The rank for a Hello asking for any (ANY_RANK): the one this connection holds
+        already, else the lowest rank neither held by a live connection nor finished (so a
+        replica restarted after a death takes the dead one's rank). Silent holders are gone
+        already (``expire``)."""
+        own = self._by_identity.get(identity)
+        if own is not None and own.worker:
+            return own.rank
+        held = {p.rank for p in self._by_identity.values() if p.worker} | self.done_ranks
+        free = next((r for r in range(self.world_size) if r not in held), None)
+        if free is None:
+            raise RequestError("rank_taken", f"all {self.world_size} ranks are held by live "
+                               "connections or finished; a rank is freed once its holder has "
+                               f"been silent for {self.timeout:g} s")
+        return free
 
     def expire(self) -> list[Peer]:
         """Remove and return the peers silent for longer than the timeout (declared dead)."""

@@ -39,7 +39,7 @@ def parse_value(text: str):
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="l2l-ctl", description=__doc__.split("\n")[0])
     p.add_argument("--endpoint", default=default_endpoint())
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a reply")
@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                        "the other side) and DIR/NAME.key_secret (mode 0600, keep it)")
     k.add_argument("dir")
     k.add_argument("name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     if a.command == "cleanup":
         return cleanup(a.dry_run)

@@ -15,7 +15,7 @@ from rich.table import Table
 MAX_LAYER_ROWS = 24  # the rest are summarised in one line
 
 
-def render(r, rates: dict[int, float] | None = None) -> Group:
+def render(r) -> Group:
     s = r.stats
     head = Table.grid(padding=(0, 2))
     mem = s.get("vmrss_bytes", 0) / 2**20
@@ -27,13 +27,19 @@ def render(r, rates: dict[int, float] | None = None) -> Group:
                  f"EPS memory {mem:,.0f} MiB ({shm:,.0f} MiB shared)",
                  f"pushes {s.get('pushes', 0):,}", f"errors: {s.get('bad_messages', 0)} "
                  f"undecodable, {s.get('busy_refusals', 0)} busy")
-    workers = Table(title="workers", title_justify="left")
-    for col in ("rank", "host", "pid", "step", "steps/s", "last seen"):
-        workers.add_column(col, justify="right" if col != "host" else "left")
+    workers = Table(title="workers (figures of each one's last step, from its heartbeats)",
+                    title_justify="left")
+    for col in ("rank", "host", "pid", "step", "samples/s", "loss", "step time",
+                "waiting fetch / push", "memory (peak)", "last seen"):
+        workers.add_column(col, justify="left" if col == "host" else "right")
     for w in r.workers:
-        rate = (rates or {}).get(w.rank)
-        workers.add_row(str(w.rank), w.host, str(w.pid), str(w.step),
-                        "-" if rate is None else f"{rate:.2f}", f"{w.silent:.1f} s ago")
+        p = w.report
+        figures = ("-",) * 5 if p is None else (
+            f"{p.samples_per_sec:,.1f}", f"{p.loss:.4f}", f"{p.step_seconds:.3f} s",
+            f"{p.fetch_wait:.3f} / {p.push_wait:.3f} s",
+            f"{p.memory / 2**20:,.0f} ({p.peak_memory / 2**20:,.0f}) MiB")
+        workers.add_row(str(w.rank), w.host, str(w.pid), str(w.step), *figures,
+                        f"{w.silent:.1f} s ago")
     layers = Table(title="layers", title_justify="left")
     for col in ("layer", "version", "last update"):
         layers.add_column(col, justify="right")
@@ -47,27 +53,23 @@ def render(r, rates: dict[int, float] | None = None) -> Group:
 
 
 def show(renderable) -> None:
-    Console().print(renderable)
+    console = Console()
+    if not console.is_terminal:  # a pipe or file: no width to fit, so wrap nothing
+        console = Console(width=200)
+    console.print(renderable)
 
 
 def watch(client, interval: float, as_json: bool) -> None:
     """Redraw every ``interval`` s until Ctrl-C (``as_json``: one JSON line per poll)."""
-    last: dict[int, tuple[float, int]] = {}
-    rates: dict[int, float] = {}
     try:
         with Live(auto_refresh=False) if not as_json else contextlib.nullcontext() as live:
             while True:
                 r = client.status()
-                now = time.monotonic()
-                for w in r.workers:
-                    if w.rank in last and now > last[w.rank][0]:
-                        rates[w.rank] = (w.step - last[w.rank][1]) / (now - last[w.rank][0])
-                    last[w.rank] = (now, w.step)
                 if as_json:
                     from .ctl import as_json as to_dict
                     print(json.dumps(to_dict(r)), flush=True)
                 else:
-                    live.update(render(r, rates), refresh=True)
+                    live.update(render(r), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass

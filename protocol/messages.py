@@ -18,7 +18,9 @@ from .tensors import DTYPES, Manifest
 # 2: TensorSpec.tie (tensors shared between layers), PushGrad.skip
 # 3: Heartbeat, Hello.role (observers), Welcome.pushed/retained/heartbeat_interval/rejoined,
 #    retained versions (recovery), "rank_taken"
-PROTOCOL_VERSION = 3
+# 4: any rank (Hello.rank ANY_RANK, Welcome.rank), worker reports (Heartbeat, WorkerInfo)
+PROTOCOL_VERSION = 4
+ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank
 TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
@@ -132,7 +134,8 @@ class Hello(Message):
     def check(self) -> None:
         _require(self.role in ROLES, "role", f"must be one of {ROLES}")
         _require(1 <= self.world_size <= MAX_RANKS, "world_size", f"must be in [1, {MAX_RANKS}]")
-        _require(0 <= self.rank < self.world_size, "rank", "must be in [0, world_size)")
+        _require(self.rank == ANY_RANK or 0 <= self.rank < self.world_size, "rank",
+                 f"must be in [0, world_size) or {ANY_RANK} (any free rank)")
         _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
         _require(self.grad_dtype in (*DTYPES, "compute"), "grad_dtype",
                  f"must be one of {sorted(DTYPES)} or 'compute'")
@@ -166,6 +169,7 @@ class Welcome(Message):
     heartbeat_interval: float = 0.0  # send a Heartbeat this often (s); the EPS's timeout / 4
     # shm transport, recovery on: the previous version of layers updated in an unfinished step
     retained: RegionInfo | None = None
+    rank: int = 0  # the rank this connection holds (Hello's, or the one assigned for ANY_RANK)
 
 
 @message(3, body=REPLY_BODY)
@@ -303,6 +307,29 @@ class WorkerInfo:
     host: str
     step: int  # the step it is in (the first the EPS lacks some of its gradients for)
     silent: float  # seconds since it was last heard from
+    report: WorkerReport | None = None  # its latest, from its heartbeats
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerReport:
+    """How a worker is doing, as of its last finished step (sent with its heartbeats; the EPS
+    shows it in StatusReply and its metrics). Times in seconds, memory in bytes."""
+
+    steps: int  # steps this worker finished (its last one is steps - 1)
+    loss: float  # its micro-batches' mean loss in its last step
+    step_seconds: float  # wall time of its last step
+    fetch_wait: float  # ... of it spent waiting for weights
+    push_wait: float  # ... of it spent waiting for gradient slots / push acks
+    samples_per_sec: float  # over its steps so far
+    memory: int  # device memory in use now (CPU: private RSS)
+    peak_memory: int  # the most it has used
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, "steps", "must be >= 0")
+        for name in ("step_seconds", "fetch_wait", "push_wait", "samples_per_sec"):
+            _require(0.0 <= getattr(self, name) < 1e12, name, "must be in [0, 1e12)")
+        _require(0 <= self.memory < 1 << 62 and 0 <= self.peak_memory < 1 << 62, "memory",
+                 "out of range")
 
 
 @message(13)
@@ -362,7 +389,10 @@ class HyperAck(Message):
 @message(18)
 class Heartbeat(Message):
     """A registered peer is alive (any request also counts); answered with an Ack. A peer
-    silent for the server's heartbeat timeout is declared dead and its rank freed."""
+    silent for the server's heartbeat timeout is declared dead and its rank freed. A worker's
+    carries its latest ``report`` once it has finished a step."""
+
+    report: WorkerReport | None = None
 
 
 # What a client may send; everything else is a reply and is refused when it arrives as one.

@@ -97,13 +97,13 @@ class Harness:
                 return box.pop(i)
         return None
 
-    def hello(self, rank, req_id=1, **kw):
+    def hello(self, rank, req_id=1, peer=None, **kw):
         fields = dict(protocol_version=PROTOCOL_VERSION, rank=rank,
                       world_size=self.cfg.world_size, manifest_hash=MANIFEST.hash(),
                       manifest=MANIFEST, transport="frames", grad_dtype="float32")
         fields.update(kw)
-        self.send(rank, Hello(req_id=req_id, **fields))
-        return self.take(rank, req_id).msg
+        self.send(rank, Hello(req_id=req_id, **fields), peer=peer)
+        return self.take(rank, req_id, peer=peer).msg
 
     def bootstrap(self, value=1.0, grad_dtype="float32"):
         for r in range(self.cfg.world_size):

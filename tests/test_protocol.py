@@ -31,6 +31,7 @@ from protocol.messages import (
     StatusReply,
     Welcome,
     WorkerInfo,
+    WorkerReport,
 )
 from protocol.tensors import GROUPS, LayerSpec, Manifest, TensorSpec
 
@@ -59,12 +60,18 @@ regions = st.builds(RegionInfo, name=st.from_regex(r"[a-z0-9-]{1,40}", fullmatch
 def hellos(draw):
     world = draw(st.integers(1, 64))
     return Hello(req_id=draw(ids), protocol_version=draw(small),
-                 rank=draw(st.integers(0, world - 1)), world_size=world,
+                 rank=draw(st.integers(-1, world - 1)), world_size=world,
                  manifest_hash=draw(st.text(max_size=80)), manifest=draw(st.none() | manifests),
                  transport=draw(st.sampled_from(["shm", "frames"])), grad_dtype=draw(dtypes),
                  pid=draw(small), host=draw(st.text(max_size=30)),
                  role=draw(st.sampled_from(["worker", "observer"])))
 
+
+seconds = st.floats(0, 1e6)
+reports = st.builds(WorkerReport, steps=small, loss=st.floats(allow_nan=False),
+                    step_seconds=seconds, fetch_wait=seconds, push_wait=seconds,
+                    samples_per_sec=seconds, memory=st.integers(0, 2**50),
+                    peak_memory=st.integers(0, 2**50))
 
 SAMPLES = {
     Hello: hellos(),
@@ -75,7 +82,7 @@ SAMPLES = {
                        grad_slots=small, grad_slot_numel=small, world_size=small,
                        versions=st.none() | regions, retained=st.none() | regions,
                        pushed=st.lists(small, max_size=4).map(tuple), rejoined=st.booleans(),
-                       heartbeat_interval=st.floats(0, 1e4),
+                       heartbeat_interval=st.floats(0, 1e4), rank=small,
                        optimizer=st.dictionaries(st.text(max_size=8), scalars, max_size=4)),
     Error: st.builds(Error, req_id=ids, code=st.sampled_from(ERROR_CODES),
                      message=st.text(max_size=50), field=st.text(max_size=20)),
@@ -94,7 +101,8 @@ SAMPLES = {
     StatusReply: st.builds(StatusReply, req_id=ids, run_id=st.text(max_size=10), step=small,
                            workers=st.lists(st.builds(
                                WorkerInfo, rank=small, pid=small, host=st.text(max_size=10),
-                               step=small, silent=st.floats(0, 1e6)), max_size=3).map(tuple),
+                               step=small, silent=st.floats(0, 1e6),
+                               report=st.none() | reports), max_size=3).map(tuple),
                            updated_ms=st.lists(st.integers(-1, 2**40), max_size=4).map(tuple),
                            versions=st.lists(small, max_size=5).map(tuple), world_size=small,
                            ranks=st.lists(small, max_size=5).map(tuple),
@@ -109,7 +117,7 @@ SAMPLES = {
         st.text(max_size=8), scalars, min_size=1, max_size=4)),
     HyperAck: st.builds(HyperAck, req_id=ids, optimizer=st.dictionaries(
         st.text(max_size=8), scalars, max_size=4)),
-    Heartbeat: st.builds(Heartbeat, req_id=ids),
+    Heartbeat: st.builds(Heartbeat, req_id=ids, report=st.none() | reports),
 }
 
 

@@ -15,7 +15,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig
-from protocol.messages import Error, Fetch, GradAck, Heartbeat, Hello, LayerReady, PushGrad
+from protocol.messages import (
+    ANY_RANK,
+    Ack,
+    Error,
+    Fetch,
+    GradAck,
+    Heartbeat,
+    Hello,
+    LayerReady,
+    PushGrad,
+    Status,
+    Welcome,
+    WorkerReport,
+)
 
 from .test_core import MANIFEST, PROTOCOL_VERSION, SGD, Harness, L, error, grad_of, value
 
@@ -285,3 +298,36 @@ def test_a_replacement_waiting_for_a_layer_under_update_gets_the_version_it_repl
     assert isinstance(out.msg, LayerReady) and out.msg.version == 0
     assert bytes(out.frames[0]) == before
     assert bytes(h.master(1, 1).numpy()) != before  # the layer itself did move on
+
+
+def test_any_rank_hellos_get_the_lowest_free_rank_and_a_replica_takes_a_dead_ones(make):
+    """Identical replicas (Hello rank -1) get ranks 0, 1; a third is refused while both live;
+    once rank 0 is declared dead a new replica takes rank 0 and resumes its step."""
+    h = make(2, recovery=True, heartbeat_timeout=TIMEOUT)
+    welcomes = [hello(h, ANY_RANK, name, 1) if i else h.hello(ANY_RANK, peer=name)
+                for i, name in enumerate((b"a", b"b"))]
+    assert [w.rank for w in welcomes] == [0, 1]
+    assert welcomes[0].init_layers == tuple(range(L)) and welcomes[1].init_layers == ()
+    assert hello(h, ANY_RANK, b"a", 2).rank == 0  # the same connection again: its own rank
+    refused = hello(h, ANY_RANK, b"c", 3)
+    assert isinstance(refused, Error) and refused.code == "rank_taken"
+    h.now = TIMEOUT / 2
+    h.send(0, Heartbeat(req_id=4), peer=b"b")
+    h.now = TIMEOUT + 1  # "a" silent for longer than the timeout, "b" not
+    replica = hello(h, ANY_RANK, b"c", 5)
+    assert isinstance(replica, Welcome), replica
+    assert replica.rank == 0 and replica.rejoined and replica.step == 0
+    assert h.core.peers.ranks() == (0, 1)
+
+
+def test_heartbeat_reports_reach_status(make):
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    report = WorkerReport(steps=3, loss=0.5, step_seconds=0.2, fetch_wait=0.01, push_wait=0.02,
+                          samples_per_sec=80.0, memory=1 << 20, peak_memory=2 << 20)
+    h.send(1, Heartbeat(req_id=5, report=report))
+    h.send(0, Heartbeat(req_id=6))  # no report yet: nothing shown for rank 0
+    assert isinstance(h.take(1, 5).msg, Ack) and isinstance(h.take(0, 6).msg, Ack)
+    h.send(0, Status(req_id=7))
+    workers = h.take(0, 7).msg.workers
+    assert [(w.rank, w.report) for w in workers] == [(0, None), (1, report)]

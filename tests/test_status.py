@@ -23,19 +23,23 @@ def test_status_shows_workers_and_layers_of_a_running_job(cluster):
                            timeout=60)
         assert p.returncode == 0, p.stderr
         s = json.loads(p.stdout)
-        if s["step"] >= 2 and s["workers"]:
+        if s["step"] >= 2 and s["workers"] and s["workers"][0]["report"]:
             break
         assert time.monotonic() < deadline and w.poll() is None, cluster.log(w)
         time.sleep(0.2)
     [worker] = s["workers"]
     assert worker["rank"] == 0 and worker["pid"] == w.pid and worker["host"]
     assert worker["step"] >= s["step"] and 0 <= worker["silent"] < 5
+    report = worker["report"]  # the worker's own figures, from its heartbeats
+    assert 1 <= report["steps"] <= worker["step"] + 1 and report["samples_per_sec"] > 0
+    assert 0 <= report["fetch_wait"] + report["push_wait"] <= report["step_seconds"]
+    assert report["memory"] > 0 and report["peak_memory"] > 0
     assert len(s["updated_ms"]) == len(s["versions"]) == 4
     assert all(0 <= ms < 60_000 for ms in s["updated_ms"])
     table = subprocess.run(ctl, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
-    assert "workers" in table.stdout and "layers" in table.stdout and "last update" in \
-        table.stdout
+    for title in ("workers", "samples/s", "layers", "last update"):
+        assert title in table.stdout, table.stdout
     watch = subprocess.Popen([*ctl, "--watch", "--json", "--interval", "0.2"], env=ENV,
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

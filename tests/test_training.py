@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -149,3 +150,23 @@ def test_layer_drop_through_the_eps(cluster, tmp_path, update):
                           global_micro_batches=4, batch_size=4, lr=1e-3,
                           skips=lambda s: skips[s])
     assert_close(got, want)
+
+
+def test_replicas_asking_for_any_rank_train_the_same_model(cluster, tmp_path):
+    """Two identical workers (--rank -1, as containers of one service are) are given ranks 0
+    and 1 by the EPS and end where plain training does; each writes its own summary."""
+    out = tmp_path / "model.safetensors"
+    cluster.start_server(2, "--lr", "1e-3")
+    argv = [sys.executable, "-m", "worker", "--endpoint", cluster.endpoint, "--rank", "-1",
+            "--world-size", "2", *SMALL, "--model", "bert", "--steps", str(STEPS),
+            "--micro-batches", "2", "--save", str(out),
+            "--summary-json", str(tmp_path / "worker-{rank}.json")]
+    replicas = [cluster.spawn(argv, f"replica{i}") for i in range(2)]
+    for w in replicas:
+        assert cluster.wait(w) == 0, cluster.log(w)
+    assert cluster.wait(cluster.server, 60) == 0, cluster.log(cluster.server)
+    summaries = [json.loads((tmp_path / f"worker-{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(s["pid"] for s in summaries) == sorted(w.pid for w in replicas)
+    want = train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS,
+                          global_micro_batches=4, batch_size=4, lr=1e-3)
+    assert_close(load_file(str(out)), want)

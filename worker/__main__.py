@@ -26,11 +26,16 @@ def parse(argv: list[str] | None = None) -> WorkerArgs:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     die_with_parent()
+    return run(args)
+
+
+def run(args: WorkerArgs) -> int:
+    """Train this worker's share of the job; the exit status."""
     # SIGTERM unwinds like an exception, so the worker says Bye and closes its sockets.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    rank = args.worker.rank if args.worker.rank >= 0 else "?"  # -1: assigned at the join
     logging.basicConfig(level=args.worker.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s l2l-worker[{args.worker.rank}] %(levelname)s "
-                               "%(message)s")
+                        format=f"%(asctime)s l2l-worker[{rank}] %(levelname)s %(message)s")
     try:
         run_worker(args)
     except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:

@@ -114,11 +114,12 @@ class WorkerConfig:
     """CURVE: this worker's secret key file (NAME.key_secret, mode 0600); its public half must
     be in the EPS's --curve-clients directory."""
     rank: int = 0
-    """This worker's rank in [0, world_size): it runs global micro-batches [rank*u, (rank+1)*u)."""
+    """This worker's rank in [0, world_size): it runs global micro-batches [rank*u, (rank+1)*u).
+    -1: the EPS assigns the lowest free rank (identical replicas, e.g. containers)."""
     world_size: int = 1
     """Number of workers in the job."""
     device: str = "cpu"
-    """cpu, cuda or cuda:K."""
+    """cpu, cuda or cuda:K; cuda: rank r runs on cuda:(r mod the number of GPUs it sees)."""
     steps: int = 10
     """Train until the model has taken this many optimizer steps (a resumed server continues)."""
     micro_batches: int = 2
@@ -158,7 +159,8 @@ class WorkerConfig:
     save: str = ""
     """Rank 0 writes the trained model here (safetensors, the assembled nn.Module's names)."""
     summary_json: str = ""
-    """Write this worker's summary (losses, throughput, peak memory) here."""
+    """Write this worker's summary (losses, throughput, peak memory) here; {rank} in it is
+    replaced by the rank (useful with --rank -1)."""
     trace: str = ""
     """Write a Chrome/Perfetto trace of this worker here."""
     events: str = ""
@@ -168,8 +170,8 @@ class WorkerConfig:
     """Log level on stderr (DEBUG, INFO, WARNING, ERROR)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError("rank must be in [0, world_size)")
+        if not -1 <= self.rank < self.world_size:
+            raise ValueError("rank must be in [0, world_size), or -1 (any free rank)")
         if self.micro_batches < 1 or self.micro_batch_size < 1 or self.steps < 0:
             raise ValueError("micro_batches and micro_batch_size must be >= 1, steps >= 0")
         if self.grad_dtype not in ("compute", "float32"):

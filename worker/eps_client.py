@@ -81,6 +81,7 @@ class EpsClient:
         self._closed = False
         self._lost: str | None = None
         self._beat_every = 0.0  # seconds; 0: no heartbeats (not joined yet)
+        self._report = None  # the latest WorkerReport, sent with the next heartbeat
         self._stall_timeout = 0.0
         self._next_beat = 0.0
         self._progress = time.monotonic()
@@ -151,6 +152,11 @@ class EpsClient:
         self._next_beat = time.monotonic() + interval
         self._beat_every = interval
         self._wake_w.send(b"\0")
+
+    def report(self, report) -> None:
+        """Send this WorkerReport with the next heartbeats (the EPS's status and metrics show
+        it); one reference swap, nothing sent from the calling thread."""
+        self._report = report
 
     def tick(self) -> None:
         """The worker's loop made progress (see start_heartbeats)."""
@@ -278,7 +284,7 @@ class EpsClient:
         with self._lock:
             self._pending[req_id] = fut
         fut.add_done_callback(self._beat_answered)
-        backlog.append(codec.encode(Heartbeat(req_id=req_id)))
+        backlog.append(codec.encode(Heartbeat(req_id=req_id, report=self._report)))
 
     def _beat_answered(self, fut: Future) -> None:
         e = fut.exception()

@@ -6,17 +6,18 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from protocol.curve import client_keys
 from protocol.events import EvalDone, EventWriter, Joined, StepDone
+from protocol.messages import WorkerReport
 from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
 from .config import WorkerArgs
-from .data import Sharder, build_eval, build_task
+from .data import EvalSet, Sharder, build_eval, build_task
 from .eps_client import EpsClient, EpsError
 from .executor import Executor, StepResult
 from .faults import Fault
@@ -63,6 +64,15 @@ def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
         client.wait(fut)
 
 
+def report(last: StepResult, samples: int, seconds: float, memory: PeakMemory) -> WorkerReport:
+    """This worker's report after ``last`` (sent with its heartbeats; once per step), with
+    the samples and seconds of its steps so far."""
+    return WorkerReport(steps=last.step + 1, loss=last.loss, step_seconds=last.seconds,
+                        fetch_wait=last.fetch_wait, push_wait=last.push_wait,
+                        samples_per_sec=samples / seconds if seconds > 0 else 0.0,
+                        memory=memory.current(), peak_memory=memory.value())
+
+
 def save_model(client: EpsClient, regions: Regions, model, layout: Layout, version: int,
                path: str, metadata: dict) -> None:
     """Export the fp32 master at ``version`` in the model's own format (model.export)."""
@@ -75,41 +85,53 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
     model.export(path, tensors, metadata)
 
 
+def worker_device(device: str, rank: int) -> torch.device:
+    """--device cuda spreads ranks over the GPUs this process sees; cpu and cuda:K are kept."""
+    if device == "cuda":
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device(device)
+
+
 def run_worker(args: WorkerArgs) -> dict:
     """Train; returns this worker's summary (also written to --summary-json)."""
     cfg, mcfg = args.worker, args.model
     keys = client_keys(cfg.curve_server_key, cfg.curve_key)  # a bad key fails before any work
     torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     model = build_model(mcfg)
     # The data is read and checked before the job is joined: a bad file costs nobody a step.
     task = build_task(model, args.data, micro_batch_size=cfg.micro_batch_size,
                       global_micro_batches=cfg.global_micro_batches)
-    evalset = build_eval(model, args.data, cfg.micro_batch_size, cfg.rank, cfg.world_size)
+    evalset = build_eval(model, args.data, cfg.micro_batch_size, max(cfg.rank, 0),
+                         cfg.world_size)
     manifest = model.manifest()
     layout = plan_layout(manifest)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
     events = EventWriter(cfg.events)
-    source = welcome = None
-    tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
+    source = welcome = tracer = memory = None
     results: list[StepResult] = []
     evals: list[dict] = []
     done = False
     elapsed, peak = 0.0, 0
-    memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
     try:
         welcome = join(client, cfg.eps_timeout, rank=cfg.rank,
                        world_size=cfg.world_size, manifest=manifest, transport=cfg.transport,
                        grad_dtype=cfg.grad_dtype)
+        if cfg.rank != welcome.rank:  # asked for any rank (-1): this is the one assigned
+            cfg = replace(cfg, rank=welcome.rank)
+            if evalset is not None:
+                evalset = EvalSet(evalset.task, cfg.micro_batch_size, cfg.rank, cfg.world_size)
+        device = worker_device(cfg.device, cfg.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
+        tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
         client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
         events.emit(Joined(rank=cfg.rank, pid=os.getpid(), step=welcome.step,
                            pushed=len(welcome.pushed), rejoined=welcome.rejoined))
-        log.info("rank %d: %s run %s at step %d (%d layers, %.2fM params, compute %s, "
+        log.info("rank %d: %s run %s at step %d on %s (%d layers, %.2fM params, compute %s, "
                  "gradients %s)%s", cfg.rank, "rejoined" if welcome.rejoined else "joined",
-                 welcome.run_id, welcome.step, len(layout.layers), manifest.num_params / 1e6,
-                 welcome.compute_dtype, welcome.grad_dtype,
+                 welcome.run_id, welcome.step, device, len(layout.layers),
+                 manifest.num_params / 1e6, welcome.compute_dtype, welcome.grad_dtype,
                  f"; {len(welcome.pushed)} layers of it pushed already" if welcome.pushed
                  else "")
         if welcome.init_layers:
@@ -139,13 +161,16 @@ def run_worker(args: WorkerArgs) -> dict:
             eval_seconds += time.perf_counter() - t0
 
         t_start = time.perf_counter()
+        trained = [0, 0.0]  # samples, seconds of this worker's steps
         if evalset is not None and not welcome.rejoined:  # (a replacement: the others did)
             evaluate(welcome.step)  # before training (on resume: where it stands)
         for step in range(welcome.step, cfg.steps):
             r = executor.run_step(step, frozenset(welcome.pushed) if step == welcome.step
                                   else frozenset())
             results.append(r)
-            memory.sample()
+            trained[0] += r.samples
+            trained[1] += r.seconds
+            client.report(report(r, *trained, memory))
             events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
                                  count=r.count, samples=r.samples, seconds=r.seconds,
                                  fetch_wait=round(r.fetch_wait, 6),
@@ -164,13 +189,15 @@ def run_worker(args: WorkerArgs) -> dict:
             log.info("rank 0: model saved to %s", cfg.save)
         done = True
     finally:
-        memory.close()
+        if memory is not None:
+            memory.close()
         if welcome is not None:  # the EPS drops this worker's waiting Fetches
             client.bye(cfg.rank, done=done)
         client.close()  # fails whatever is still pending, so helper threads can finish
         if source is not None:
             source.close()
-        tracer.close()
+        if tracer is not None:
+            tracer.close()
         events.close()
     samples = sum(r.samples for r in results)
     summary = {
@@ -186,6 +213,6 @@ def run_worker(args: WorkerArgs) -> dict:
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
     if cfg.summary_json:
-        with open(cfg.summary_json, "w") as f:
+        with open(cfg.summary_json.replace("{rank}", str(cfg.rank)), "w") as f:
             json.dump(summary, f, indent=1)
     return summary

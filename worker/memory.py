@@ -52,5 +52,11 @@ class PeakMemory:
         self.sample()
         return self.peak
 
+    def current(self) -> int:
+        """Bytes in use now (CUDA allocator, or private RSS on CPU)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return private_rss()
+
     def close(self) -> None:
         self._stop.set()
