@@ -4,6 +4,8 @@
 
 Options shared with eps-server and l2l-worker keep their names and meaning there (they are the
 same config fields, launch/config.py); each child gets its typed config as a file.
+``--role eps|worker`` runs one part of the job in the foreground instead (containers,
+launch/roles.py); ``--plan`` prints the shared memory the job's EPS needs (launch/plan.py).
 """
 
 from __future__ import annotations
@@ -13,46 +15,38 @@ import os
 import secrets
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from eps_server.config import ServerArgs
 from protocol import cli
 from protocol.trace import merge
-from worker.config import WorkerArgs
 
 from .config import LaunchArgs
 from .console import Console, table
 from .launcher import Launcher, private_run_dir
-
-
-def worker_device(device: str, rank: int) -> str:
-    """--device cuda spreads workers over GPUs (rank r on cuda:r); cpu and cuda:K are kept."""
-    return f"cuda:{rank}" if device == "cuda" else device
+from .plan import plan_text
+from .roles import run_role, server_config, worker_args
 
 
 def build(args: LaunchArgs) -> Launcher:
     """Write each child's typed config into a private run directory; the command lines name
     it, plus the endpoint and rank (so ``ps`` tells the processes apart)."""
     a = args.launch
-    run_id = secrets.token_hex(4)
+    run_id = a.run_id or secrets.token_hex(4)
     run_dir = private_run_dir()
     endpoint = a.endpoint or f"ipc://{run_dir}/eps.sock"
     py = sys.executable
-    server = replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
-                     exit_when_done=True, recovery=args.server.recovery or a.max_restarts > 0,
-                     trace=os.path.join(run_dir, "trace-eps.json") if a.trace else "")
+    server = server_config(args, endpoint, run_id,
+                           trace=os.path.join(run_dir, "trace-eps.json") if a.trace else "")
     cli.write_file(ServerArgs(server=server), os.path.join(run_dir, "eps.json"))
     server_argv = [py, "-m", "eps_server", "--config", os.path.join(run_dir, "eps.json"),
                    "--endpoint", endpoint, "--run-id", run_id]
     workers = []
     for rank in range(a.workers):
-        w = replace(args.worker, endpoint=endpoint, rank=rank, world_size=a.workers,
-                    device=worker_device(args.worker.device, rank),
-                    save=os.path.abspath(a.save) if rank == 0 and a.save else "",
-                    summary_json=os.path.join(run_dir, f"worker-{rank}.json"),
-                    trace=os.path.join(run_dir, f"trace-w{rank}.json") if a.trace else "")
         path = os.path.join(run_dir, f"w{rank}.json")
-        cli.write_file(WorkerArgs(worker=w, model=args.model, data=args.data), path)
+        cli.write_file(worker_args(
+            args, endpoint, rank, os.path.join(run_dir, f"worker-{rank}.json"),
+            trace=os.path.join(run_dir, f"trace-w{rank}.json") if a.trace else ""), path)
         workers.append([py, "-m", "worker", "--config", path, "--endpoint", endpoint,
                         "--rank", str(rank)])
     logs = os.path.join(a.runs_dir, run_id)
@@ -107,6 +101,11 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
 
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse(LaunchArgs, argv, "l2l-launch", __doc__.split("\n")[0])
+    if args.launch.plan:
+        print(plan_text(args), flush=True)
+        return 0
+    if args.launch.role != "all":
+        return run_role(args)
     launcher = build(args)
     t0 = time.perf_counter()
     try:

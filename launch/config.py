@@ -3,7 +3,9 @@ it passes on (the same fields as l2l-worker's and eps-server's, minus those it s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 from eps_server.config import ServerConfig
 from worker.config import DataConfig, ModelConfig, WorkerConfig
@@ -21,8 +23,20 @@ class LaunchConfig:
 
     workers: int = 1
     """Worker processes (one per device; with --device cuda, rank r runs on cuda:r)."""
+    role: Literal["all", "eps", "worker"] = "all"
+    """all: the EPS and --workers workers on this box. eps or worker: only that part of the
+    job, in the foreground, logging to stderr (one container each, see deploy/); a worker
+    takes the lowest free rank (--rank)."""
+    rank: int = -1
+    """With --role worker: this worker's rank; -1: the EPS assigns the lowest free one."""
+    run_id: str = ""
+    """The run's name: its directory under --runs-dir and its shared memory's prefix;
+    empty: a random one. Give the same one to every --role of a job."""
+    plan: bool = False
+    """Print what the job needs (the EPS's shared memory: a container's shm_size) and exit."""
     endpoint: str = ""
-    """The EPS's endpoint; empty: a private ipc socket in this run's directory."""
+    """The EPS's endpoint; empty: a private ipc socket in this run's directory (--role all),
+    else eps-server's default (ipc, per user)."""
     summary_json: str = ""
     """Write the run summary (losses, accuracy, throughput, peak memory, EPS stats) here."""
     save: str = ""
@@ -53,6 +67,10 @@ class LaunchConfig:
             raise ValueError("--max-restarts must be >= 0")
         if self.log_every < 1:
             raise ValueError("--log-every must be >= 1")
+        if not -1 <= self.rank < self.workers:
+            raise ValueError("--rank must be in [0, --workers), or -1 (any free rank)")
+        if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
+            raise ValueError("--run-id must be 1..64 letters, digits or underscores")
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,55 @@
+"""One part of a job per process (``l2l-launch --role eps|worker``), for containers: every
+container reads the same job file and runs its part in the foreground, logging to stderr.
+The children of ``--role all`` get their configs from the same two functions."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import replace
+
+from eps_server.config import ServerConfig
+from protocol import cli
+from protocol.checkpoints import latest
+from worker.config import WorkerArgs
+
+from .config import LaunchArgs
+
+
+def server_config(args: LaunchArgs, endpoint: str, run_id: str, trace: str = "") -> ServerConfig:
+    """The EPS of this job: world size from --workers, recovery on with --max-restarts."""
+    a = args.launch
+    return replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
+                   exit_when_done=True, recovery=args.server.recovery or a.max_restarts > 0,
+                   trace=trace)
+
+
+def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,
+                trace: str = "") -> WorkerArgs:
+    """Worker ``rank`` (-1: any free rank) of this job; rank 0 saves the model (--save)."""
+    a = args.launch
+    w = replace(args.worker, endpoint=endpoint, rank=rank, world_size=a.workers,
+                save=os.path.abspath(a.save) if a.save and rank in (0, -1) else "",
+                summary_json=summary_json, trace=trace)
+    return WorkerArgs(worker=w, model=args.model, data=args.data)
+
+
+def run_role(args: LaunchArgs) -> int:
+    a = args.launch
+    run_dir = os.path.join(a.runs_dir, a.run_id) if a.run_id else a.runs_dir
+    os.makedirs(run_dir, exist_ok=True)
+    if a.role == "eps":
+        from eps_server.__main__ import run
+
+        cfg = server_config(args, a.endpoint or args.server.endpoint,
+                            a.run_id or secrets.token_hex(4))
+        if cfg.save and not cfg.load and latest(cfg.save):
+            # A restarted EPS (its container's restart policy) continues from its last
+            # checkpoint; workers that lost it restart and rejoin at that step.
+            cfg = replace(cfg, load=cfg.save)
+        cli.write_file(args, os.path.join(run_dir, "config.json"))  # the job as resolved
+        return run(cfg)
+    from worker.__main__ import run
+
+    return run(worker_args(args, a.endpoint or args.worker.endpoint, a.rank,
+                           os.path.join(run_dir, "worker-{rank}.json")))
