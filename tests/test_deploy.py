@@ -10,8 +10,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -150,57 +152,101 @@ def test_the_plan_is_the_shared_memory_the_eps_creates(tmp_path):
     assert seen == expected
 
 
-def test_the_compose_job_runs_here(tmp_path):
-    """The eps and worker commands of docker-compose.yml (as `docker-compose config` would give
-    them; parsed from the file when docker-compose is missing), run as plain processes with
-    the container paths mapped to temporary ones: the workers are identical replicas, ranks are
-    assigned by the EPS, and the job trains, saves the model and the run's files."""
-    doc = yaml.safe_load(COMPOSE.read_text())
-    env = dotenv()
-    n = int(env["L2L_WORKERS"])
-    sock = tempfile.mkdtemp(prefix="l2ld-")  # short: unix socket paths are limited
-    os.chmod(sock, 0o700)
-    port = str(free_port())
+class ComposeJob:
+    """The eps and worker commands of docker-compose.yml (parsed from the file, .env
+    substituted as compose does), run as plain processes with the container paths mapped to
+    temporary ones; a worker that fails is started again, as ``restart: on-failure`` does."""
 
-    def argv(service: str) -> list[str]:
+    def __init__(self, tmp_path, steps: int, *extra: str):
+        self.tmp = tmp_path
+        self.doc = yaml.safe_load(COMPOSE.read_text())
+        self.env = dotenv()
+        self.workers = int(self.env["L2L_WORKERS"])
+        self.sock = tempfile.mkdtemp(prefix="l2ld-")  # short: unix socket paths are limited
+        os.chmod(self.sock, 0o700)
+        self.port = str(free_port())
+        self.extra = ["--runs-dir", str(tmp_path / "runs"), "--save",
+                      str(tmp_path / "runs" / "model.safetensors"), "--server-save",
+                      str(tmp_path / "checkpoints"), "--steps", str(steps), "--threads", "1",
+                      *extra]
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+
+    def argv(self, service: str) -> list[str]:
         out = []
-        for a in doc["services"][service]["command"]:
-            for k, v in env.items():
+        for a in self.doc["services"][service]["command"]:
+            for k, v in self.env.items():
                 a = a.replace(f"${{{k}:?set {k} in .env}}", v).replace(f"${{{k}:-demo}}", v)
-            a = {"/job.yaml": str(ROOT / env["L2L_JOB"]), SOCKET: f"ipc://{sock}/eps.sock",
-                 "0.0.0.0": "127.0.0.1", "9400": port}.get(a, a)
-            out.append(a)
+            out.append({"/job.yaml": str(ROOT / self.env["L2L_JOB"]),
+                        SOCKET: f"ipc://{self.sock}/eps.sock", "0.0.0.0": "127.0.0.1",
+                        "9400": self.port}.get(a, a))
         assert out[0] == "l2l-launch" and "$" not in " ".join(out), out
-        paths = ["--runs-dir", str(tmp_path / "runs"), "--save",
-                 str(tmp_path / "runs" / "model.safetensors"), "--server-save",
-                 str(tmp_path / "checkpoints")]
-        return [sys.executable, "-m", "launch", *out[1:], *paths, "--steps", "4", "--threads",
-                "1", "--heartbeat-timeout", "5"]
+        return [sys.executable, "-m", "launch", *out[1:], *self.extra]
 
-    logs = []
+    def spawn(self, argv: list[str]) -> subprocess.Popen:
+        self.logs.append(open(self.tmp / f"p{len(self.procs)}.log", "w+"))
+        self.procs.append(subprocess.Popen(argv, env=ENV, cwd=self.tmp, stdout=self.logs[-1],
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+        return self.procs[-1]
 
-    def spawn(cmd, name):
-        logs.append(open(tmp_path / f"{name}.log", "w+"))
-        return subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=logs[-1],
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    def log(self, p) -> str:
+        f = self.logs[self.procs.index(p)]
+        f.seek(0)
+        return f.read()
 
-    procs = [spawn(argv("eps"), "eps")]
-    procs += [spawn(argv("worker"), f"worker{i}") for i in range(n)]
-    try:
-        for p, log in zip(procs[1:] + procs[:1], logs[1:] + logs[:1]):
-            code = p.wait(240)
-            log.seek(0)
-            assert code == 0, log.read()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-        shutil.rmtree(sock, ignore_errors=True)
-    run = tmp_path / "runs" / env["L2L_RUN_ID"]
-    summaries = [json.loads((run / f"worker-{r}.json").read_text()) for r in range(n)]
-    assert [s["rank"] for s in summaries] == list(range(n))
+    def run(self, first_workers=(), timeout: float = 240) -> list[subprocess.Popen]:
+        """Run the job; ``first_workers``: extra arguments of the first replicas' commands
+        (their replacements get none). Returns the replacements started."""
+        eps = self.spawn(self.argv("eps"))
+        workers = [self.spawn(self.argv("worker") + list(first_workers))
+                   for _ in range(self.workers)]
+        restarted = []
+        deadline = time.monotonic() + timeout
+        try:
+            while eps.poll() is None or any(w.poll() is None for w in workers):
+                for i, w in enumerate(workers):
+                    if w.poll() not in (None, 0):  # the restart policy
+                        assert len(restarted) < 2, self.log(w)
+                        workers[i] = self.spawn(self.argv("worker"))
+                        restarted.append(workers[i])
+                assert time.monotonic() < deadline, self.log(eps)
+                time.sleep(0.1)
+            assert eps.returncode == 0, self.log(eps)
+            return restarted
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+            shutil.rmtree(self.sock, ignore_errors=True)
+
+
+def test_the_compose_job_runs_here(tmp_path):
+    """The workers are identical replicas, ranks are assigned by the EPS, and the job trains,
+    saves the model and the run's files."""
+    job = ComposeJob(tmp_path, 4)
+    assert job.run() == []
+    run = tmp_path / "runs" / job.env["L2L_RUN_ID"]
+    summaries = [json.loads((run / f"worker-{r}.json").read_text()) for r in range(job.workers)]
+    assert [s["rank"] for s in summaries] == list(range(job.workers))
     assert all(s["steps"] == 4 for s in summaries)
     assert load_file(str(tmp_path / "runs" / "model.safetensors"))
     assert json.loads((run / "config.json").read_text())["launch"]["role"] == "eps"
     assert (tmp_path / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_takes_the_dead_ones_rank_and_the_model_is_exact(tmp_path):
+    """Rank 1's container dies in the backward of step 2; the restart policy starts the same
+    command again: it waits until the EPS declares the dead one gone, takes rank 1, redoes the
+    step, and the final model is bitwise the one of a run without the failure."""
+    fast = ("--heartbeat-timeout", "2")
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    assert ComposeJob(tmp_path / "a", 5, *fast).run() == []
+    job = ComposeJob(tmp_path / "b", 5, *fast)
+    [replacement] = job.run(first_workers=("--fault", "1:2:B1"))
+    assert "rank 1: rejoined run" in job.log(replacement)
+    want, got = (load_file(str(tmp_path / d / "runs" / "model.safetensors")) for d in "ab")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
