@@ -50,6 +50,9 @@ from protocol.messages import (
 from protocol.tensors import Manifest
 
 log = logging.getLogger(__name__)
+# Heartbeats go at least this often (more often than the EPS asks when its timeout is long):
+# they carry this worker's report, which status and metrics show.
+REPORT_EVERY = 1.0
 
 
 class EpsError(RuntimeError):
@@ -149,6 +152,7 @@ class EpsClient:
         cause, so that is not a hang of its own)."""
         self._loop = threading.get_ident()
         self._stall_timeout = stall_timeout
+        interval = min(interval, REPORT_EVERY)
         self._next_beat = time.monotonic() + interval
         self._beat_every = interval
         self._wake_w.send(b"\0")
