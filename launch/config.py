@@ -26,7 +26,8 @@ class LaunchConfig:
     role: Literal["all", "eps", "worker"] = "all"
     """all: the EPS and --workers workers on this box. eps or worker: only that part of the
     job, in the foreground, logging to stderr (one container each, see deploy/); a worker
-    takes the lowest free rank (--rank)."""
+    takes the lowest free rank (--rank), an EPS resumes from the newest checkpoint under
+    --server-save if there is one (a restarted container continues the job)."""
     rank: int = -1
     """With --role worker: this worker's rank; -1: the EPS assigns the lowest free one."""
     run_id: str = ""

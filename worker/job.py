@@ -66,9 +66,9 @@ def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
 
 def report(last: StepResult, samples: int, seconds: float, memory: PeakMemory) -> WorkerReport:
     """This worker's report after ``last`` (sent with its heartbeats; once per step), with
-    the samples and seconds of its steps so far."""
-    return WorkerReport(steps=last.step + 1, loss=last.loss, step_seconds=last.seconds,
-                        fetch_wait=last.fetch_wait, push_wait=last.push_wait,
+    the samples and seconds of its steps so far (clamped: a report never fails a step)."""
+    return WorkerReport(steps=last.step + 1, loss=last.loss, step_seconds=max(0.0, last.seconds),
+                        fetch_wait=max(0.0, last.fetch_wait), push_wait=max(0.0, last.push_wait),
                         samples_per_sec=samples / seconds if seconds > 0 else 0.0,
                         memory=memory.current(), peak_memory=memory.value())
 
