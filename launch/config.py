@@ -22,7 +22,7 @@ class LaunchConfig:
     """The job on this box: one eps-server and ``workers`` l2l-workers."""
 
     workers: int = 1
-    """Worker processes (one per device; with --device cuda, rank r runs on cuda:r)."""
+    """Worker processes (one per device; with --device cuda, rank r runs on cuda:(r mod GPUs))."""
     role: Literal["all", "eps", "worker"] = "all"
     """all: the EPS and --workers workers on this box. eps or worker: only that part of the
     job, in the foreground, logging to stderr (one container each, see deploy/); a worker

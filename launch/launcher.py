@@ -1,10 +1,10 @@
 """l2l-launch: one eps-server and N l2l-workers on this box, as separate processes.
 
 Like torchrun, a convenience over the two real CLIs: it picks a private ipc endpoint and a run
-id, starts the server, waits for it to be ready, starts the workers (worker r on cuda:r when
---device cuda), shows the job's progress (launch/console.py), and writes a run summary. On
-Ctrl-C, SIGTERM or any child's failure it stops every child (SIGTERM, then SIGKILL), and
-removes the run's shared memory and socket, so nothing is left behind.
+id, starts the server, waits for it to be ready, starts the workers (with --device cuda,
+worker r on cuda:(r mod GPUs)), shows the job's progress (launch/console.py), and writes a
+run summary. On Ctrl-C, SIGTERM or any child's failure it stops every child (SIGTERM, then
+SIGKILL), and removes the run's shared memory and socket, so nothing is left behind.
 
 Each child gets a pipe for its typed events (``--events fd:N``, protocol/events.py): the EPS's
 "ready", lost workers and final statistics, each worker's joins and steps. The children's stdout

@@ -12,7 +12,8 @@ from worker.models import build_model
 from .config import LaunchArgs
 from .roles import server_config
 
-HEADROOM = 1.25  # a replacement worker gets fresh gradient slots while the old ones drain
+HEADROOM = 0.25  # at least this share more; and room for one worker's regions twice: a
+# replacement gets fresh gradient slots (and stash arena) while its predecessor's drain
 
 
 def shm_regions(args: LaunchArgs) -> list[tuple[str, int]]:
@@ -43,9 +44,16 @@ def shm_regions(args: LaunchArgs) -> list[tuple[str, int]]:
     return rows
 
 
-def shm_size(total: int) -> str:
-    """A compose ``shm_size`` for ``total`` bytes, with headroom, in whole MiB."""
-    return f"{max(64, math.ceil(total * HEADROOM / 2**20))}m"
+def recommended(rows: list[tuple[str, int]], workers: int) -> int:
+    """Bytes for /dev/shm: the regions plus the larger of HEADROOM and one worker's share."""
+    total = sum(b for _, b in rows)
+    per_worker = sum(b for what, b in rows if what.startswith(("gradient", "stash"))) // workers
+    return total + max(math.ceil(total * HEADROOM), per_worker)
+
+
+def shm_size(nbytes: int) -> str:
+    """A compose ``shm_size`` of at least ``nbytes``, in whole MiB (64 MiB at least)."""
+    return f"{max(64, math.ceil(nbytes / 2**20))}m"
 
 
 def size(n: int) -> str:
@@ -60,5 +68,5 @@ def plan_text(args: LaunchArgs) -> str:
              f"{args.server.precision}):"]
     lines += [f"  {what:<{width}}  {size(b):>14}" for what, b in rows]
     lines += [f"  {'total':<{width}}  {size(total):>14}",
-              f"L2L_SHM_SIZE={shm_size(total)}"]
+              f"L2L_SHM_SIZE={shm_size(recommended(rows, args.launch.workers))}"]
     return "\n".join(lines)

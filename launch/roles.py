@@ -43,9 +43,9 @@ def run_role(args: LaunchArgs) -> int:
 
         cfg = server_config(args, a.endpoint or args.server.endpoint,
                             a.run_id or secrets.token_hex(4))
-        if cfg.save and not cfg.load and latest(cfg.save):
+        if cfg.save and latest(cfg.save):
             # A restarted EPS (its container's restart policy) continues from its last
-            # checkpoint; workers that lost it restart and rejoin at that step.
+            # checkpoint, not from the job's --load; workers that lost it rejoin at that step.
             cfg = replace(cfg, load=cfg.save)
         cli.write_file(args, os.path.join(run_dir, "config.json"))  # the job as resolved
         return run(cfg)

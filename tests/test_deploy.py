@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from launch.config import LaunchArgs
-from launch.plan import HEADROOM, shm_regions
+from launch.plan import recommended, shm_regions
 from protocol import cli
 
 from .helpers import ENV, ROOT, free_port
@@ -102,8 +102,8 @@ def test_compose_config_follows_env_and_job(files):
     from launch.ctl import parser as ctl_parser
     assert ctl_parser().parse_args(check[2:]).endpoint == SOCKET
     # shm_size holds every region the EPS will create, with headroom.
-    need = sum(b for _, b in shm_regions(server))
-    assert size_bytes(eps["shm_size"]) >= need * HEADROOM
+    rows = shm_regions(server)
+    assert size_bytes(eps["shm_size"]) >= recommended(rows, n) > sum(b for _, b in rows)
     if files[-1] == GPU:
         assert eps["build"]["args"]["VARIANT"] == "cuda" and w.worker.device == "cuda"
         [device] = worker["deploy"]["resources"]["reservations"]["devices"]

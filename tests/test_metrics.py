@@ -23,7 +23,7 @@ def scrape(port: int) -> dict:
 
 def test_a_running_job_is_scraped(cluster):
     port = free_port()
-    cluster.start_server(2, "--metrics-port", str(port), "--heartbeat-timeout", "2")
+    cluster.start_server(2, "--metrics-port", str(port), "--heartbeat-timeout", "5")
     before = scrape(port)  # no model yet: the counters are there, the model's gauges not
     assert before[("l2l_eps_messages_total", ())] == 0 and ("l2l_eps_step", ()) not in before
     bad = raw_socket(cluster.endpoint)
@@ -31,7 +31,7 @@ def test_a_running_job_is_scraped(cluster):
     assert bad.poll(10_000) and bad.recv_multipart()
     bad.close(0)
     assert scrape(port)[("l2l_eps_errors_total", (("code", "bad_message"),))] == 1
-    workers = [cluster.worker(r, 2, *SMALL, "--steps", "60") for r in range(2)]
+    workers = [cluster.worker(r, 2, *SMALL, "--steps", "300") for r in range(2)]
     seen = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and all(w.poll() is None for w in workers):
@@ -52,7 +52,7 @@ def test_a_running_job_is_scraped(cluster):
     assert seen[("l2l_eps_bytes_received_total", (("transport", "shm"),))] > 0
     assert seen[("l2l_eps_bytes_received_total", (("transport", "frames"),))] == 0
     for rank in ("0", "1"):
-        assert 0 <= seen[("l2l_eps_heartbeat_age_seconds", (("rank", rank),))] < 2
+        assert 0 <= seen[("l2l_eps_heartbeat_age_seconds", (("rank", rank),))] < 5
         worker = {name[len("l2l_worker_"):]: v for (name, labels), v in seen.items()
                   if name.startswith("l2l_worker_") and labels == (("rank", rank),)}
         assert worker["steps"] >= 1 and worker["samples_per_second"] > 0

@@ -10,6 +10,7 @@ interleaving, and whether the dead process comes back to life and tries to push.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from eps_server.config import OptimizerConfig
 from protocol.messages import (
     ANY_RANK,
     Ack,
+    Bye,
     Error,
     Fetch,
     GradAck,
@@ -331,3 +333,22 @@ def test_heartbeat_reports_reach_status(make):
     h.send(0, Status(req_id=7))
     workers = h.take(0, 7).msg.workers
     assert [(w.rank, w.report) for w in workers] == [(0, None), (1, report)]
+
+
+def test_any_rank_skips_finished_ranks(make):
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    h.send(0, Bye(req_id=5, rank=0, done=True))
+    assert isinstance(h.take(0, 5).msg, Ack)
+    refused = hello(h, ANY_RANK, b"late", 6)  # rank 0 finished, rank 1 alive: nothing free
+    assert isinstance(refused, Error) and refused.code == "rank_taken"
+
+
+def test_reports_out_of_range_are_refused():
+    ok = dict(steps=1, loss=float("nan"), step_seconds=0.1, fetch_wait=0.0, push_wait=0.0,
+              samples_per_sec=1.0, memory=0, peak_memory=0)
+    assert WorkerReport(**ok)  # a NaN loss is a figure to show, not an error
+    for field, bad in (("step_seconds", float("nan")), ("fetch_wait", -1.0),
+                       ("samples_per_sec", float("inf")), ("memory", -1)):
+        with pytest.raises(ValueError):
+            WorkerReport(**{**ok, field: bad})

@@ -4,8 +4,8 @@ reaches POINT of step STEP; other ranks ignore it (l2l-launch passes one config 
 
 POINT is a visit of the L2L loop, named as in traces: F<l> (forward visit of layer l), H<l>
 (the head's forward and backward), B<l> (backward visit of layer l), or E (between steps: every
-push of the step acknowledged and the step reported). l2l-launch never passes a fault on to a
-replacement.
+push of the step acknowledged and the step reported). A worker that rejoins (a
+replacement: l2l-launch's, or a restarted container running the same command) ignores it.
 """
 
 from __future__ import annotations

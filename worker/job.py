@@ -44,7 +44,8 @@ def join(client: EpsClient, timeout: float, **hello):
             if e.code != "rank_taken" or time.monotonic() > deadline:
                 raise
             if not told:
-                log.warning("rank %d: %s; waiting", hello["rank"], e.detail)
+                log.warning("rank %s: %s; waiting", hello["rank"] if hello["rank"] >= 0 else
+                            "(any)", e.detail)
                 told = True
             time.sleep(0.25)
 
@@ -66,7 +67,7 @@ def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
 
 def report(last: StepResult, samples: int, seconds: float, memory: PeakMemory) -> WorkerReport:
     """This worker's report after ``last`` (sent with its heartbeats; once per step), with
-    the samples and seconds of its steps so far (clamped: a report never fails a step)."""
+    the samples and seconds of its steps so far."""
     return WorkerReport(steps=last.step + 1, loss=last.loss, step_seconds=max(0.0, last.seconds),
                         fetch_wait=max(0.0, last.fetch_wait), push_wait=max(0.0, last.push_wait),
                         samples_per_sec=samples / seconds if seconds > 0 else 0.0,
@@ -87,9 +88,12 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
 
 def worker_device(device: str, rank: int) -> torch.device:
     """--device cuda spreads ranks over the GPUs this process sees; cpu and cuda:K are kept."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here")
     if device == "cuda":
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-    return torch.device(device)
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return dev
 
 
 def run_worker(args: WorkerArgs) -> dict:
@@ -97,6 +101,7 @@ def run_worker(args: WorkerArgs) -> dict:
     cfg, mcfg = args.worker, args.model
     keys = client_keys(cfg.curve_server_key, cfg.curve_key)  # a bad key fails before any work
     torch.set_num_threads(cfg.threads)
+    worker_device(cfg.device, max(cfg.rank, 0))  # a bad device fails before the join
     model = build_model(mcfg)
     # The data is read and checked before the job is joined: a bad file costs nobody a step.
     task = build_task(model, args.data, micro_batch_size=cfg.micro_batch_size,
@@ -116,6 +121,8 @@ def run_worker(args: WorkerArgs) -> dict:
         welcome = join(client, cfg.eps_timeout, rank=cfg.rank,
                        world_size=cfg.world_size, manifest=manifest, transport=cfg.transport,
                        grad_dtype=cfg.grad_dtype)
+        if not 0 <= welcome.rank < cfg.world_size:
+            raise EpsError("bad_message", f"the EPS assigned rank {welcome.rank}", "rank")
         if cfg.rank != welcome.rank:  # asked for any rank (-1): this is the one assigned
             cfg = replace(cfg, rank=welcome.rank)
             if evalset is not None:
@@ -145,7 +152,8 @@ def run_worker(args: WorkerArgs) -> dict:
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
                             tracer=tracer, layer_drop=cfg.layer_drop,
-                            fault=Fault.parse(cfg.fault, cfg.rank))
+                            fault=None if welcome.rejoined else Fault.parse(cfg.fault,
+                                                                            cfg.rank))
         eval_batches = evalset.batches() if evalset is not None else []
         eval_seconds = 0.0
 
@@ -170,7 +178,10 @@ def run_worker(args: WorkerArgs) -> dict:
             results.append(r)
             trained[0] += r.samples
             trained[1] += r.seconds
-            client.report(report(r, *trained, memory))
+            try:
+                client.report(report(r, *trained, memory))
+            except ValueError as e:  # a figure out of range: the report is skipped, not the step
+                log.debug("no report for step %d: %s", r.step, e)
             events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
                                  count=r.count, samples=r.samples, seconds=r.seconds,
                                  fetch_wait=round(r.fetch_wait, 6),
