@@ -188,7 +188,7 @@ class EpsCore:
     def _hello(self, identity: bytes, msg: Hello, key: bytes) -> list[Out]:
         if msg.role == "observer":
             check_hello(self.cfg, msg)
-            self.peers.register(Peer(identity, -1, None, "", msg.pid, key))
+            self.peers.register(Peer.observer(identity, msg.pid, key))
             return [Out(identity, Ack(req_id=msg.req_id))]
         grad_dtype = check_hello(self.cfg, msg)
         check_model(self.store, msg)

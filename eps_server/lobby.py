@@ -89,7 +89,7 @@ class Lobby:
                 check_hello(self.cfg, msg)
                 if len(self.observers) >= MAX_OBSERVERS:  # they never say Bye: forget the oldest
                     del self.observers[next(iter(self.observers))]
-                self.observers[peer] = Peer(peer, -1, None, "", msg.pid, key)
+                self.observers[peer] = Peer.observer(peer, msg.pid, key)
                 return None, [Out(peer, Ack(req_id=msg.req_id))]
             if isinstance(msg, Hello):
                 return self._hello(peer, msg, frames, key)

@@ -41,6 +41,11 @@ class Peer:
     def worker(self) -> bool:
         return self.rank >= 0
 
+    @classmethod
+    def observer(cls, identity: bytes, pid: int, key: bytes) -> Peer:
+        """A control client: no rank, no transport."""
+        return cls(identity, -1, None, "", pid, key)
+
 
 class Peers:
     def __init__(self, world_size: int, timeout: float,

@@ -103,7 +103,7 @@ def test_compose_config_follows_env_and_job(files):
     assert ctl_parser().parse_args(check[2:]).endpoint == SOCKET
     # shm_size holds every region the EPS will create, with headroom.
     rows = shm_regions(server)
-    assert size_bytes(eps["shm_size"]) >= recommended(rows, n) > sum(b for _, b in rows)
+    assert size_bytes(eps["shm_size"]) >= recommended(rows, n) > sum(r.nbytes for r in rows)
     if files[-1] == GPU:
         assert eps["build"]["args"]["VARIANT"] == "cuda" and w.worker.device == "cuda"
         [device] = worker["deploy"]["resources"]["reservations"]["devices"]
@@ -128,7 +128,7 @@ def test_the_plan_is_the_shared_memory_the_eps_creates(tmp_path):
     plan = subprocess.run([sys.executable, "-m", "launch", *args, "--plan"], env=ENV,
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
-    expected = sum(b for _, b in shm_regions(cli.parse(LaunchArgs, args, "l2l-launch")))
+    expected = sum(r.nbytes for r in shm_regions(cli.parse(LaunchArgs, args, "l2l-launch")))
     assert plan.stdout.splitlines()[-1].startswith("L2L_SHM_SIZE=")
     p = subprocess.Popen([sys.executable, "-m", "launch", *args, "--steps", "400", "--quiet",
                           "--threads", "1", "--runs-dir", str(tmp_path)], env=ENV,

@@ -169,17 +169,17 @@ def run_worker(args: WorkerArgs) -> dict:
             eval_seconds += time.perf_counter() - t0
 
         t_start = time.perf_counter()
-        trained = [0, 0.0]  # samples, seconds of this worker's steps
+        trained_samples, trained_seconds = 0, 0.0  # of this worker's steps
         if evalset is not None and not welcome.rejoined:  # (a replacement: the others did)
             evaluate(welcome.step)  # before training (on resume: where it stands)
         for step in range(welcome.step, cfg.steps):
             r = executor.run_step(step, frozenset(welcome.pushed) if step == welcome.step
                                   else frozenset())
             results.append(r)
-            trained[0] += r.samples
-            trained[1] += r.seconds
+            trained_samples += r.samples
+            trained_seconds += r.seconds
             try:
-                client.report(report(r, *trained, memory))
+                client.report(report(r, trained_samples, trained_seconds, memory))
             except ValueError as e:  # a figure out of range: the report is skipped, not the step
                 log.debug("no report for step %d: %s", r.step, e)
             events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
