@@ -12,13 +12,17 @@ from worker.models.base import param_group
 
 def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, batch_size: int,
                    lr: float = 1e-3, weight_decay: float = 0.01, optimizer: str = "adamw",
-                   momentum: float = 0.0, skips=lambda step: frozenset()
+                   momentum: float = 0.0, skips=lambda step: frozenset(), device="cpu"
                    ) -> dict[str, torch.Tensor]:
     """All layers resident, gradient accumulation over the global micro-batches in order,
     one torch optimizer step per step; biases and norm scales without weight decay.
     ``skips(step)``: blocks that step leaves out (their parameters get no gradient, so torch's
-    optimizer leaves them and their state alone)."""
-    net = build_model(mcfg).assemble().train()
+    optimizer leaves them and their state alone). On CUDA: TF32 off (fp32 matmuls in full
+    precision, as the workers run them); the weights come back on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    net = build_model(mcfg).assemble().to(device).train()
     groups: dict[str, list] = {"decay": [], "no_decay": []}
     for name, p in net.named_parameters():
         groups[param_group(name, p)].append(p)
@@ -32,10 +36,10 @@ def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, 
     for step in range(steps):
         opt.zero_grad()
         for index, batch in enumerate(sharder.batches(step, range(global_micro_batches))):
-            loss, _ = net(batch, rng=(mcfg.seed, step, index), skip=skips(step))
+            loss, _ = net(batch.to(device), rng=(mcfg.seed, step, index), skip=skips(step))
             loss.backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
 
 def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) -> float:

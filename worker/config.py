@@ -11,7 +11,7 @@ from typing import Literal
 
 from protocol.endpoints import default_endpoint
 
-from .faults import Fault
+from .faults import Fault, parse_delays
 
 BUILTIN_MODELS = ("bert", "gpt")
 
@@ -153,6 +153,13 @@ class WorkerConfig:
     """Stop sending heartbeats once the loop has made no progress (no request, no layer
     visit) for this long, so the EPS declares this worker dead: a deadlock or a hung device
     (0: never)."""
+    device_memory_gib: float = 0.0
+    """CUDA: cap this process's device memory at this many GiB (the caching allocator refuses
+    more, torch.cuda.set_per_process_memory_fraction), e.g. to act as a smaller GPU; 0: none."""
+    cuda_delay: str = ""
+    """Testing: POINT:MICROSECONDS[,...] makes a CUDA stream spin before its work at POINT:
+    copy (each weight copy), compute (each layer visit), d2h (each copy out: gradients,
+    stash), to show that no stream misses an event wait (worker/streams.py)."""
     fault: str = ""
     """Testing: RANK:STEP:POINT[:stop] makes rank RANK kill (or stop) itself at POINT of step
     STEP (F<l>, H<l>, B<l>: a visit of layer l; E: after the step); see worker/faults.py."""
@@ -185,6 +192,9 @@ class WorkerConfig:
         if self.threads < 1 or not self.eps_timeout > 0 or self.stall_timeout < 0:
             raise ValueError("threads must be >= 1, eps_timeout > 0 and stall_timeout >= 0")
         Fault.parse(self.fault)
+        parse_delays(self.cuda_delay)
+        if self.device_memory_gib < 0:
+            raise ValueError("device_memory_gib must be >= 0")
         if bool(self.curve_server_key) != bool(self.curve_key):
             raise ValueError("CURVE needs both curve_server_key and curve_key")
 

@@ -64,7 +64,8 @@ class Executor:
     def __init__(self, model: LayeredModel, layout: Layout, source, sharder: Sharder, *,
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
                  seed: int, stash: str = "device", tracer: Tracer = NULL,
-                 layer_drop: float = 0.0, fault: Fault | None = None):
+                 layer_drop: float = 0.0, fault: Fault | None = None,
+                 cuda_delays: dict[str, int] | None = None):
         self.plans = layout.layers
         if len(self.plans) < 2:
             raise ValueError("a layered model needs at least two layers (pre ... post)")
@@ -79,7 +80,7 @@ class Executor:
         self.tracer = tracer
         self.fault = fault
         self.waited = {"fetch": 0.0, "push": 0.0}  # this step's blocking waits (seconds)
-        self.streams = Streams(device)
+        self.streams = Streams(device, cuda_delays)
         # One weightless template module per stage kind, bound to a layer's weights per visit.
         self.binders = {kind: model.template(kind, device) for kind in {p.kind for p in self.plans}}
         self.stash = make_stash(stash, source, self.streams, len(self.plans) - 2,
@@ -271,6 +272,7 @@ class Executor:
         """The loop reached ``point`` of ``step`` (a visit starts, or E: the step is done and
         reported): it made progress (its heartbeats go on), and --fault fires there."""
         self.source.tick()
+        self.streams.stall("compute")  # testing (--cuda-delay): the visit's kernels run late
         if self.fault is not None:
             self.fault.at(step, point)
 

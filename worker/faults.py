@@ -6,6 +6,9 @@ POINT is a visit of the L2L loop, named as in traces: F<l> (forward visit of lay
 (the head's forward and backward), B<l> (backward visit of layer l), or E (between steps: every
 push of the step acknowledged and the step reported). A worker that rejoins (a
 replacement: l2l-launch's, or a restarted container running the same command) ignores it.
+
+``--cuda-delay POINT:US[,...]`` (``parse_delays``) slows a CUDA stream instead of the process:
+streams.Streams.stall spins the GPU there, so a missing event wait shows in the results.
 """
 
 from __future__ import annotations
@@ -41,3 +44,19 @@ class Fault:
     def at(self, step: int, point: str) -> None:
         if step == self.step and point == self.point:
             os.kill(os.getpid(), self.signal)
+
+
+DELAY_POINTS = ("copy", "compute", "d2h")
+CYCLES_PER_US = 2000  # torch.cuda._sleep spins for GPU clock cycles: ~1 us at 2 GHz
+
+
+def parse_delays(text: str) -> dict[str, int]:
+    """``--cuda-delay copy:US,compute:US,d2h:US`` -> {point: GPU cycles to spin there}."""
+    delays: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        point, _, us = item.partition(":")
+        if point not in DELAY_POINTS or not us.isdigit():
+            raise ValueError(f"cuda delay must be POINT:MICROSECONDS[,...] with POINT in "
+                             f"{DELAY_POINTS}, got {item!r}")
+        delays[point] = int(us) * CYCLES_PER_US
+    return delays

@@ -136,9 +136,9 @@ class StagedGrads(GradPath):
 
 
 class DeviceGrads(StagedGrads):
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, delays: dict[str, int] | None = None, **kw):
         super().__init__(*args, **kw)
-        self.streams = Streams(kw["device"])
+        self.streams = Streams(kw["device"], delays)
         self._pusher = ThreadPoolExecutor(1, "l2l-push")
 
     def _push(self, step, plan, slot, buf):
@@ -153,6 +153,7 @@ class DeviceGrads(StagedGrads):
             with self.tracer.span(f"d2h L{plan.index}", "d2h"), \
                     self.streams.on(self.streams.d2h):
                 self.streams.wait(computed, self.streams.d2h)
+                self.streams.stall("d2h", self.streams.d2h)
                 data = self.out.put(slot, plan, buf)
                 self.streams.event(self.streams.d2h).synchronize()
             sent = self._send(step, plan, slot, data)

@@ -20,7 +20,7 @@ from .config import WorkerArgs
 from .data import EvalSet, Sharder, build_eval, build_task
 from .eps_client import EpsClient, EpsError
 from .executor import Executor, StepResult
-from .faults import Fault
+from .faults import Fault, parse_delays
 from .memory import PeakMemory
 from .models import build_model
 from .models.loaders import flat_of
@@ -96,6 +96,16 @@ def worker_device(device: str, rank: int) -> torch.device:
     return dev
 
 
+def cap_device_memory(device: torch.device, gib: float) -> None:
+    """--device-memory-gib: the caching allocator refuses to hold more than ``gib`` GiB."""
+    if gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        if gib * 2**30 > total:
+            raise ValueError(f"--device-memory-gib {gib}: {device} has only "
+                             f"{total / 2**30:.1f} GiB")
+        torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+
+
 def run_worker(args: WorkerArgs) -> dict:
     """Train; returns this worker's summary (also written to --summary-json)."""
     cfg, mcfg = args.worker, args.model
@@ -130,6 +140,7 @@ def run_worker(args: WorkerArgs) -> dict:
         device = worker_device(cfg.device, cfg.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            cap_device_memory(device, cfg.device_memory_gib)
         memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
         tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
         client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
@@ -152,6 +163,7 @@ def run_worker(args: WorkerArgs) -> dict:
                             micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
                             dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
                             tracer=tracer, layer_drop=cfg.layer_drop,
+                            cuda_delays=parse_delays(cfg.cuda_delay),
                             fault=None if welcome.rejoined else Fault.parse(cfg.fault,
                                                                             cfg.rank))
         eval_batches = evalset.batches() if evalset is not None else []
@@ -221,6 +233,7 @@ def run_worker(args: WorkerArgs) -> dict:
         "peak_memory_bytes": peak, "model": asdict(mcfg), "data": asdict(args.data),
         "objective": model.objective,
         "fetches_without_round_trip": source.fast_fetches, "evals": evals,
+        "pinned_regions": source.regions.registered, "unpinned_regions": source.regions.refused,
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
     if cfg.summary_json:

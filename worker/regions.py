@@ -36,14 +36,20 @@ class Regions:
         self.pin = pin
         self._regions: dict[str, Region] = {}
         self._pinned: list[torch.Tensor] = []
+        self.registered = 0  # mappings page-locked for the GPU
+        self.refused = 0  # mappings the driver would not register (copied from pageable memory)
 
     def attach(self, info: RegionInfo, writable: bool) -> Region:
         region = self._regions.get(info.name)
         if region is None:
             region = Region.attach(info.name, info.nbytes, writable=writable)
             self._regions[info.name] = region
-            if self.pin and region.nbytes and register_host(region.base, read_only=not writable):
-                self._pinned.append(region.base)
+            if self.pin and region.nbytes:
+                if register_host(region.base, read_only=not writable):
+                    self._pinned.append(region.base)
+                    self.registered += 1
+                else:
+                    self.refused += 1
         return region
 
     def get(self, name: str) -> Region:

@@ -32,6 +32,7 @@ from protocol.trace import NULL, Tracer
 
 from .config import WorkerConfig
 from .eps_client import EpsClient
+from .faults import parse_delays
 from .grads import DeviceGrads, GradPath, SlotGrads, StagedGrads, ToFrame, ToSlot
 from .regions import GradSlots, Regions
 from .weights import BoardLocator, DeviceCopyWeights, FetchLocator, InPlaceWeights, WeightPath
@@ -123,6 +124,7 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
                 device: torch.device, tracer: Tracer = NULL) -> EpsSource:
     cuda = device.type == "cuda"
     shm = cfg.transport == "shm"
+    delays = parse_delays(cfg.cuda_delay)
     regions = Regions(pin=cuda)
     if shm:
         for info in (welcome.master, welcome.compute, welcome.retained):
@@ -140,7 +142,8 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
     common = (locator, client, regions, layout)
     if cuda or cfg.copy_weights:
         weights: WeightPath = DeviceCopyWeights(*common, tracer=tracer, device=device,
-                                                compute_dtype=welcome.compute_dtype)
+                                                compute_dtype=welcome.compute_dtype,
+                                                delays=delays)
     else:
         weights = InPlaceWeights(*common, tracer=tracer)
 
@@ -158,6 +161,8 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
             staging = [torch.empty(layout.max_layer_numel, dtype=wire, pin_memory=cuda)
                        for _ in range(welcome.grad_slots)] if cuda or wire != torch.float32 else []
             out = ToFrame(staging, cuda)
-        grads = (DeviceGrads if cuda else StagedGrads)(client, layout, device=device, out=out,
-                                                       **kw)
+        if cuda:
+            grads = DeviceGrads(client, layout, device=device, out=out, delays=delays, **kw)
+        else:
+            grads = StagedGrads(client, layout, device=device, out=out, **kw)
     return (EpsSource if cfg.overlap else SerialSource)(client, regions, weights, grads)

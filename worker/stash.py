@@ -75,7 +75,7 @@ class HostStash:
         self.streams = streams
         self._host: dict[tuple[int, int, int], torch.Tensor] = {}
         self._copied: dict[tuple[int, int], object] = {}
-        self._shapes: dict[tuple[int, int], object] = {}
+        self._shapes: dict[tuple[int, int], object] = {}  # each boundary's structure
         self._inflight = _InFlight()
 
     def put(self, layer: int, micro_batch: int, x):
@@ -83,6 +83,7 @@ class HostStash:
         produced = self.streams.event()
         with self.streams.on(self.streams.d2h):
             self.streams.wait(produced, self.streams.d2h)
+            self.streams.stall("d2h", self.streams.d2h)
             for j, t in enumerate(members(x)):
                 host = self._host.get((*key, j))
                 if host is None or host.shape != t.shape or host.dtype != t.dtype:
@@ -92,7 +93,7 @@ class HostStash:
             self._copied[key] = self.streams.event(self.streams.d2h)
         for t in members(x):
             self._inflight.add(self._copied[key], t)
-        self._shapes[key] = x
+        self._shapes[key] = shaped_like(x, [None] * len(members(x)))  # not x: it may go
         return x
 
     def pop(self, layer: int, micro_batch: int):
@@ -158,6 +159,7 @@ class EpsStash:
         produced = self.streams.event()
         with self.streams.on(self.streams.d2h):
             self.streams.wait(produced, self.streams.d2h)
+            self.streams.stall("d2h", self.streams.d2h)
             for slot, t in zip(slots, members(x)):
                 slot.copy_(t, non_blocking=True)
             copied = self.streams.event(self.streams.d2h)

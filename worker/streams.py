@@ -10,7 +10,9 @@ On CPU every operation is synchronous in program order, so all of this reduces t
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 
 import torch
 
@@ -22,11 +24,22 @@ HOST_REGISTER_READ_ONLY = 8
 
 
 class Streams:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, delays: dict[str, int] | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.delays = delays or {}
+
+    def stall(self, point: str, stream=None) -> None:
+        """Testing (--cuda-delay): make ``stream`` (default: compute) spin before the work queued
+        next at ``point``: a copy or kernel that misses an event wait then reads or overwrites
+        a buffer at the wrong time, and the results differ. The host is never blocked."""
+        cycles = self.delays.get(point)
+        if self.cuda and cycles:
+            with self.on(stream if stream is not None else
+                         torch.cuda.current_stream(self.device)):
+                torch.cuda._sleep(cycles)
 
     def event(self, stream=None):
         """An event recorded now on ``stream`` (default: the compute stream); None on CPU."""
@@ -60,17 +73,67 @@ def register_host(tensor: torch.Tensor, read_only: bool) -> bool:
     and from the GPU run at full speed and asynchronously. Returns False (and logs why) if the
     driver refuses: copies then still work, from pageable memory."""
     flags = HOST_REGISTER_READ_ONLY if read_only else HOST_REGISTER_DEFAULT
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(),
-                                               tensor.numel() * tensor.element_size(), flags)
-    code = int(getattr(err, "value", err))
+    nbytes = tensor.numel() * tensor.element_size()
+    code = _code(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, flags))
     if code != 0:
-        log.warning("cudaHostRegister failed (error %d); copies use pageable memory", code)
+        drain_cuda_error()
+        log.warning("cudaHostRegister of %d bytes%s failed (CUDA error %d: %s); copies to and "
+                    "from it use pageable memory, slower and synchronous", nbytes,
+                    " (read-only)" if read_only else "", code, _describe(code))
         return False
     return True
 
 
-def unregister_host(tensor: torch.Tensor) -> None:
-    err = torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-    code = int(getattr(err, "value", err))
+def unregister_host(tensor: torch.Tensor) -> bool:
+    code = _code(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
     if code != 0:
-        log.warning("cudaHostUnregister failed (error %d)", code)
+        drain_cuda_error()
+        log.warning("cudaHostUnregister failed (CUDA error %d: %s)", code, _describe(code))
+        return False
+    return True
+
+
+def _code(err) -> int:
+    return int(getattr(err, "value", err))
+
+
+def _describe(code: int) -> str:
+    try:
+        return torch.cuda.cudart().cudaGetErrorString(torch.cuda.cudart().cudaError(code))
+    except Exception:  # older bindings take other argument types: the number says it all
+        return "see cuda_runtime_api.h"
+
+
+def drain_cuda_error() -> int:
+    """Reset the CUDA runtime's pending error after a failed call made through torch's raw
+    cudart binding (which has no cudaGetLastError). A failed cudaHostRegister leaves its error
+    pending on this thread, and torch's next error check (e.g. after an unrelated kernel
+    launch) would raise it as its own. The runtime torch loaded is found in /proc/self/maps;
+    the error state is per runtime instance, so every copy mapped is drained. Returns how many
+    were."""
+    drained = 0
+    for path in cudart_paths():
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+            drained += 1
+        except (OSError, AttributeError):
+            continue
+    return drained
+
+
+def cudart_paths() -> list[str]:
+    """Paths of the CUDA runtime libraries mapped into this process (stock torch wheels load
+    libcudart.so.N, some builds a hashed libcudart-XXXX.so.N)."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6:
+                    continue
+                path = parts[5].strip().removesuffix(" (deleted)")
+                if "libcudart" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths

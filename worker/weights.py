@@ -124,9 +124,10 @@ class InPlaceWeights(WeightPath):
 
 
 class DeviceCopyWeights(WeightPath):
-    def __init__(self, *args, device: torch.device, compute_dtype: str, **kw):
+    def __init__(self, *args, device: torch.device, compute_dtype: str,
+                 delays: dict[str, int] | None = None, **kw):
         super().__init__(*args, **kw)
-        self.streams = Streams(device)
+        self.streams = Streams(device, delays)
         n = self.layout.max_layer_numel
         self.buffers = [torch.empty(n, dtype=DTYPES[compute_dtype], device=device)
                         for _ in range(2)]
@@ -149,6 +150,7 @@ class DeviceCopyWeights(WeightPath):
         dst = self.buffers[buffer][:plan.numel]
         with self.tracer.span(f"copy L{layer}", "h2d"), self.streams.on(self.streams.h2d):
             self.streams.wait(self._released[buffer], self.streams.h2d)
+            self.streams.stall("copy", self.streams.h2d)
             dst.copy_(src, non_blocking=True)
             landed = self.streams.event(self.streams.h2d)
         return ready, dst, landed, buffer, frames

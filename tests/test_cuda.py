@@ -1,0 +1,192 @@
+"""The CUDA paths, with real processes and real shared memory: `pytest -m cuda` (also run by
+`make gpu-check`). Without a CUDA device every test here is skipped, saying why; the default
+CPU run does not select them.
+
+What a missing stream wait would break is made visible with --cuda-delay, which makes one
+CUDA stream spin before its work (weight copies, a visit's kernels, copies out): results must
+stay bitwise those of the serial path."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from worker.config import ModelConfig
+
+from .baseline import assert_close, train_resident
+from .helpers import SMALL
+
+CUDA = torch.cuda.is_available()
+WHY = (f"needs a CUDA device: torch {torch.__version__} "
+       + ("was built without CUDA" if torch.version.cuda is None else "sees no GPU"))
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=WHY)]
+
+DEVICE = ["--device", "cuda:0"]  # every rank on the first GPU: the check needs one GPU only
+SMALL_CFG = dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=64, dropout=0.1)
+STEPS = 4
+DELAY = "2000"  # microseconds a stream spins: longer than any of these layers' kernels
+
+
+def train(cluster, path, workers: int, *extra: str, micro_batches: int = 2) -> dict:
+    cluster.run_job(workers, *SMALL, *DEVICE, "--steps", str(STEPS), "--micro-batches",
+                    str(micro_batches), "--save", str(path), *extra,
+                    server_args=("--lr", "1e-3"))
+    assert not cluster.leftover_regions()
+    return load_file(str(path))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_fp32_l2l_on_cuda_equals_resident_training_on_cuda(cluster, tmp_path, workers):
+    """FP32 L2L with every rank on cuda:0 (overlap, device stash, 4 steps of AdamW, dropout on)
+    ends within 1e-5 absolute + 1e-4 relative of the assembled model trained on the same GPU
+    with gradient accumulation over the same 4 micro-batches, TF32 off. Both sides run the
+    same cuBLAS kernels on the same shapes; what differs is (a) the order of fp32 additions
+    (per rank, then across ranks in the EPS, against one running sum) and (b) the AdamW
+    update, on the host's CPU in the EPS against CUDA's: a few ulps per step, 1e-7 relative,
+    far inside the tolerance the CPU suite uses for the same comparison."""
+    got = train(cluster, tmp_path / "m.safetensors", workers, micro_batches=4 // workers)
+    want = train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS,
+                          global_micro_batches=4, batch_size=4, lr=1e-3, device="cuda:0")
+    assert_close(got, want)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Weights after 4 steps of the default CUDA path: 2 workers on cuda:0, overlap, side
+    streams, device stash, shared memory registered with the driver."""
+    from .helpers import Cluster
+
+    tmp = tmp_path_factory.mktemp("cuda-ref")
+    c = Cluster(tmp)
+    try:
+        return train(c, tmp / "m.safetensors", 2)
+    finally:
+        c.close()
+
+
+VARIANTS = {
+    "no overlap": ["--no-overlap"],
+    "slow weight copies": ["--cuda-delay", f"copy:{DELAY}"],
+    "slow compute": ["--cuda-delay", f"compute:{DELAY}"],
+    "slow copies out": ["--cuda-delay", f"d2h:{DELAY}"],
+    "stash host": ["--stash", "host"],
+    "stash host, slow copies out": ["--stash", "host", "--cuda-delay", f"d2h:{DELAY}"],
+    "stash host, slow compute": ["--stash", "host", "--cuda-delay", f"compute:{DELAY}"],
+    "stash eps": ["--stash", "eps"],
+    "stash eps, slow copies out": ["--stash", "eps", "--cuda-delay", f"d2h:{DELAY}"],
+    "frames": ["--transport", "frames"],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cuda_variant_is_bitwise_the_default_path(cluster, tmp_path, reference, variant):
+    """The overlapped path (prefetch into two device buffers on a side stream, pushes copied
+    out on another) is bitwise the serial one, and stays so when any one stream is slowed
+    down: a copy that does not wait for its buffer's release, a kernel that does not wait for
+    its weights, or a push or stash entry read before its copy ends would change the result."""
+    got = train(cluster, tmp_path / "m.safetensors", 2, *VARIANTS[variant])
+    assert set(got) == set(reference)
+    for name, want in reference.items():
+        assert torch.equal(got[name], want), f"{variant}: {name} differs"
+
+
+def _peak(cluster, tmp_path, layers: int, stash: str) -> int:
+    summary = tmp_path / f"{stash}-{layers}.json"
+    cluster.run_job(1, "--layers", str(layers), "--hidden", "64", "--heads", "4",
+                    "--seq-len", "32", "--vocab", "64", "--micro-batch-size", "8",
+                    "--micro-batches", "4", "--threads", "1", *DEVICE, "--steps", "2",
+                    "--stash", stash, "--summary-json", str(summary))
+    cluster.close()
+    return json.loads(summary.read_text())["peak_memory_bytes"]
+
+
+def test_device_memory_is_flat_in_depth(cluster, tmp_path):
+    """Peak device memory (max_memory_allocated over the worker's life) of 4 and 64 blocks:
+    with the stash on the host or in the EPS within 5%; with the stash on the device it grows
+    by the stash itself, within 10%: 60 more blocks x 4 micro-batches x one fp32 boundary
+    (8 x 32 x 64 x 4 bytes = 64 KiB), 15 MiB, several times the whole shallow worker's peak."""
+    peaks = {stash: [_peak(cluster, tmp_path, n, stash) for n in (4, 64)]
+             for stash in ("host", "eps", "device")}
+    for stash in ("host", "eps"):
+        shallow, deep = peaks[stash]
+        assert abs(deep - shallow) <= 0.05 * shallow, (stash, peaks)
+    predicted = (64 - 4) * 4 * 8 * 32 * 64 * 4
+    shallow, deep = peaks["device"]
+    assert abs((deep - shallow) - predicted) <= 0.10 * predicted, (predicted, peaks)
+    assert predicted > 0.5 * peaks["host"][0]  # the flat cases would have shown growth
+
+
+def test_every_shared_mapping_is_registered_with_the_driver(cluster, tmp_path):
+    """On CUDA the worker page-locks every EPS mapping it reads (weights) or writes (gradient
+    slots, stash arena) with cudaHostRegister; the summary counts them, and none is refused."""
+    summary = tmp_path / "s.json"
+    cluster.run_job(1, *SMALL, *DEVICE, "--steps", "2", "--stash", "eps",
+                    "--summary-json", str(summary))
+    got = json.loads(summary.read_text())
+    log = cluster.log(cluster.procs[-1])
+    assert got["unpinned_regions"] == 0, log
+    assert got["pinned_regions"] >= 3, got  # master (served) weights, gradient slots, arena
+    assert "cudaHostRegister" not in log
+
+
+def test_a_refused_registration_is_logged_and_leaves_cuda_working(caplog):
+    """Registering a range twice is refused by the driver (cudaErrorHostMemoryAlreadyRegistered):
+    the refusal is logged and returned, and its pending runtime error is drained, so torch's
+    next error check (after an unrelated kernel) does not raise it as its own. Likewise for
+    unregistering memory that is not registered."""
+    from worker.streams import cudart_paths, register_host, unregister_host
+
+    assert cudart_paths(), "torch's CUDA runtime not found in /proc/self/maps"
+    host = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert register_host(host, read_only=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.streams"):
+            assert not register_host(host, read_only=False)
+        assert "cudaHostRegister" in caplog.text and "failed" in caplog.text
+        x = torch.ones(1024, device="cuda") * 2  # would raise the pending error
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 2048
+        dev = torch.arange(1 << 20, device="cuda").to(torch.uint8)
+        host.copy_(dev, non_blocking=True)  # the registered range works as pinned memory
+        torch.cuda.synchronize()
+        assert torch.equal(host, dev.cpu())
+    finally:
+        assert unregister_host(host)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="worker.streams"):
+        assert not unregister_host(host)
+    assert "cudaHostUnregister failed" in caplog.text
+    assert float((torch.ones(8, device="cuda") + 1).sum()) == 16
+
+
+def test_a_device_memory_cap_is_enforced(cluster, tmp_path):
+    """--device-memory-gib caps the worker's allocator: a job that needs more than the cap
+    fails with CUDA's out-of-memory error instead of using the whole GPU."""
+    cluster.start_server(1)
+    w = cluster.worker(0, 1, "--layers", "2", "--hidden", "1024", "--heads", "8",
+                       "--seq-len", "512", "--vocab", "64", "--micro-batch-size", "64",
+                       "--micro-batches", "1", *DEVICE, "--steps", "1",
+                       "--device-memory-gib", "0.25")
+    assert cluster.wait(w, 300) != 0
+    assert "out of memory" in cluster.log(w).lower()
+
+
+def test_mixed_precision_on_cuda_learns_and_tracks_fp32(tmp_path):
+    """bf16 and fp16 compute on the GPU (fp32 master and AdamW in the EPS) learn the planted
+    task: over 60 steps the mean |loss difference| from fp32 stays below 0.05 for bf16 and
+    0.1 for fp16 (loss scaling), and all three end above 90% accuracy (chance: 25%)."""
+    from .test_precision import launch
+
+    common = ["--workers", "2", "--model", "bert", "--steps", "60", *SMALL[:-4],
+              "--micro-batch-size", "8", "--lr", "3e-3", *DEVICE]
+    fp32 = launch(tmp_path, "fp32", *common)
+    for precision, bound in (("bf16", 0.05), ("fp16", 0.1)):
+        run = launch(tmp_path, precision, *common, "--precision", precision)
+        diff = [abs(a - b) for a, b in zip(fp32["losses"], run["losses"])]
+        assert sum(diff) / len(diff) < bound, (precision, diff)
+        assert sum(run["accuracy"][-5:]) / 5 > 0.9, precision
+    assert sum(fp32["accuracy"][-5:]) / 5 > 0.9
