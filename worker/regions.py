@@ -39,12 +39,14 @@ class Regions:
         self.registered = 0  # mappings page-locked for the GPU
         self.refused = 0  # mappings the driver would not register (copied from pageable memory)
 
-    def attach(self, info: RegionInfo, writable: bool) -> Region:
+    def attach(self, info: RegionInfo, writable: bool, pin: bool = True) -> Region:
+        """Map a region; on CUDA also register it (``pin``) if copies to or from the GPU use
+        it (not, e.g., the fp32 master under bf16 compute: only rank 0 reads it, to save)."""
         region = self._regions.get(info.name)
         if region is None:
             region = Region.attach(info.name, info.nbytes, writable=writable)
             self._regions[info.name] = region
-            if self.pin and region.nbytes:
+            if self.pin and pin and region.nbytes:
                 if register_host(region.base, read_only=not writable):
                     self._pinned.append(region.base)
                     self.registered += 1

@@ -128,8 +128,9 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
     regions = Regions(pin=cuda)
     if shm:
         for info in (welcome.master, welcome.compute, welcome.retained):
-            if info is not None:
-                regions.attach(info, writable=False)
+            if info is not None:  # the GPU copies the served weights, not a master behind them
+                regions.attach(info, writable=False,
+                               pin=info is not welcome.master or welcome.compute is None)
 
     # Not with fp16 (each step's loss scale comes with its Fetch replies), nor on CPUs that
     # may reorder stores (the board relies on x86's ordering).

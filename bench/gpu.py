@@ -1,0 +1,275 @@
+"""GPU benchmarks: ``python -m bench gpu [--only NAMES] [options]``. Every figure is a ratio
+against a baseline measured in the same run, on the same GPU.
+
+    transfer  H2D from a registered EPS shared-memory region and D2H into one, against a
+              pin_memory() tensor of the same size (targets: >= 0.9x)
+    overhead  exposed overhead of L2Lp: the EPS-backed worker against the same loop with
+              every weight already on the device and AdamW run there
+    paper     the paper's Tables 2/3 on one GPU: BERT-Large (24 x 1024, FFN 4096), device
+              memory capped (default 16 GiB, a V100): the resident model at the largest batch
+              that fits (fp32, AMP bf16) against L2L fp32 and CMP bf16 at u micro-batches
+    depth     peak device memory of 24 .. 384 BERT-Large blocks (stash on the host)
+    mfu       model FLOPs utilisation of the largest model the host RAM holds (bf16), and
+              where the worker's time goes (its trace)
+    peers     FSDP2 (fully_shard + CPUOffloadPolicy) and DeepSpeed ZeRO-3 with offload, same
+              model, micro-batches and global batch as L2L: samples/s and peak device memory
+
+``--tiny`` runs every piece with a tiny model on whatever device there is: it checks the
+harness (the CPU suite does), its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+
+from worker.config import ModelConfig
+
+from .common import check, l2l_job, steady_step_seconds, table
+from .gpu_parts import (
+    MEM,
+    depth_flat,
+    l2l_fit,
+    peak_bytes,
+    resident_fit,
+    trace_split,
+    transfer_ratios,
+)
+from .local import local_l2l_step_seconds
+
+PIECES = ("transfer", "overhead", "paper", "depth", "mfu", "peers")
+BERT_LARGE = dict(model="bert", layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522,
+                  classes=2)
+TINY = dict(model="bert", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
+GIB = 2**30
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", default=",".join(PIECES), help="comma-separated pieces")
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny model on --device (cpu works): checks the harness only")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--cap-gib", type=float, default=16.0, help="paper: device memory cap")
+    p.add_argument("--seq", default="128,512", help="paper: sequence lengths")
+    p.add_argument("--u", default="1,2,4,8", help="paper: micro-batches per visit")
+    p.add_argument("--depths", default="24,48,96,384", help="depth: blocks")
+    p.add_argument("--mfu-params", type=float, default=0.0,
+                   help="mfu: billions of parameters; 0: the largest the host RAM holds")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="mfu: the GPU's dense bf16 peak; 0: from its name (H100/H200: 989)")
+    p.add_argument("--peers", default="fsdp2,deepspeed")
+    p.add_argument("--steps", type=int, default=3, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="EPS math threads (the optimizer runs there)")
+    p.add_argument("--transfer-mib", type=int, default=256)
+
+
+def gpu(a) -> dict:
+    cuda = torch.device(a.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"no CUDA device (torch {torch.__version__}); --tiny --device cpu "
+                         "checks the harness on a CPU")
+    if not cuda and not a.tiny:
+        raise SystemExit("on a CPU only --tiny runs (the figures are GPU figures)")
+    results, targets = {}, []
+    for name in [n for n in a.only.split(",") if n]:
+        if name not in PIECES:
+            raise SystemExit(f"unknown piece {name!r}; pieces: {', '.join(PIECES)}")
+        t0 = time.perf_counter()
+        try:
+            r = globals()[f"bench_{name}"](a)
+        except Exception as e:  # one piece failing must not lose the others' figures
+            r = {"error": f"{type(e).__name__}: {e}"[:2000], "targets": [],
+                 "table": f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}"}
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        results[name] = r
+        targets += r["targets"]
+        print(r["table"] + "\n", flush=True)  # as it comes: a piece can take minutes
+    return {"table": "", "pieces": results, "targets": targets,
+            "device": torch.cuda.get_device_name(a.device) if cuda else "cpu",
+            "torch": torch.__version__}
+
+
+def shape(a, **over) -> dict:
+    return {**(TINY if a.tiny else BERT_LARGE), **over}
+
+
+def model_argv(m: dict, *, seq: int, mbs: int, u: int) -> list[str]:
+    argv = []
+    for k in ("model", "layers", "hidden", "heads", "ffn", "vocab", "classes"):
+        argv += [f"--{k}", str(m[k])]
+    return argv + ["--seq-len", str(seq), "--micro-batch-size", str(mbs),
+                   "--micro-batches", str(u), "--dropout", "0.1"]
+
+
+def job(a, m: dict, *, seq: int, mbs: int, u: int, precision="fp32", extra=(), steps=None):
+    """One L2L job (EPS + 1 worker on a.device): its summary."""
+    argv = model_argv(m, seq=seq, mbs=mbs, u=u) + ["--device", a.device, "--threads", "4"]
+    return l2l_job(argv, steps=steps or a.warmup + a.steps,
+                   extra=["--precision", precision, "--lr", "1e-4", *extra],
+                   server=["--server-threads", str(a.server_threads)])
+
+
+def bench_transfer(a) -> dict:
+    if torch.device(a.device).type != "cuda":
+        return {"table": "transfer: needs CUDA (registration is a CUDA driver call)",
+                "targets": [], "skipped": "no CUDA"}
+    r = transfer_ratios(torch.device(a.device), (1 if a.tiny else a.transfer_mib) << 20)
+    rows = [[d, r[d]["registered_gbps"], r[d]["pinned_gbps"], r[d]["ratio"]]
+            for d in ("h2d", "d2h")]
+    return {"table": table(f"transfer: {r['mib']} MiB, registered shm vs pin_memory()",
+                           ["copy", "registered GB/s", "pinned GB/s", "ratio"], rows),
+            **r, "targets": [check(f"{d} registered / pinned", r[d]["ratio"], ">=", 0.9)
+                             for d in ("h2d", "d2h")]}
+
+
+def bench_overhead(a) -> dict:
+    m = shape(a, layers=4 if a.tiny else 12)
+    seq, mbs, u = (32, 4, 4) if a.tiny else (128, 32, 4)
+    mcfg = ModelConfig(**{k: v for k, v in m.items()}, seq_len=seq, dropout=0.1)
+    local = local_l2l_step_seconds(mcfg, micro_batches=u, batch_size=mbs, steps=a.steps,
+                                   warmup=a.warmup, device=a.device)
+    l2lp = steady_step_seconds(job(a, m, seq=seq, mbs=mbs, u=u), a.warmup)
+    rows = [["same loop, every weight on the device, AdamW there", local, 0.0],
+            ["L2Lp: EPS on the host, prefetch + async pushes", l2lp, l2lp / local - 1]]
+    return {"table": table(f"overhead: BERT L={m['layers']} H={m['hidden']} T={seq} u={u} "
+                           f"B={mbs}, fp32", ["config", "s/step", "exposed overhead"], rows),
+            "step_seconds": {"local": local, "l2lp": l2lp},
+            "targets": [check("L2Lp exposed overhead vs weights on device", l2lp / local - 1,
+                              "<=", 0.10)]}
+
+
+def bench_paper(a) -> dict:
+    cap = 0 if a.tiny else int(a.cap_gib * GIB)
+    rows, out, targets = [], {}, []
+    for seq in ([32] if a.tiny else [int(s) for s in a.seq.split(",")]):
+        m = shape(a)
+        mcfg = ModelConfig(**m, seq_len=seq, dropout=0.1)
+        base = {p: resident_fit(mcfg, p, a.device, cap, steps=a.steps, warmup=a.warmup,
+                                limit=2 if a.tiny else 1024) for p in ("fp32", "bf16")}
+        for p, r in base.items():
+            rows.append([seq, f"resident {p}{' (AMP)' if p == 'bf16' else ''}", "-",
+                         r["batch"], r["samples_per_sec"], r["peak_bytes"] / GIB, 1.0])
+        l2l = {}
+        for p in ("fp32", "bf16"):
+            for u in [int(x) for x in a.u.split(",")]:
+                r = l2l_fit(lambda mbs, u=u, p=p: job(a, m, seq=seq, mbs=mbs, u=u, precision=p,
+                                                      extra=["--stash", "host",
+                                                             "--device-memory-gib",
+                                                             str(a.cap_gib)] if cap else
+                                                      ["--stash", "host"]),
+                            mcfg, p, u, a.device, cap, warmup=a.warmup, tiny=a.tiny)
+                l2l[p, u] = r
+                rows.append([seq, "L2L fp32" if p == "fp32" else "CMP bf16", u, r["batch"],
+                             r["samples_per_sec"], r["peak_bytes"] / GIB,
+                             r["samples_per_sec"] / base["fp32"]["samples_per_sec"]])
+        best = max((r["samples_per_sec"] for (p, _), r in l2l.items() if p == "bf16"))
+        us = [int(x) for x in a.u.split(",")]
+        targets.append(check(f"T={seq}: CMP / resident fp32 samples/s", best /
+                             base["fp32"]["samples_per_sec"], ">=", 1.4))
+        if 1 in us and 4 in us:
+            for p in ("fp32", "bf16"):
+                targets.append(check(f"T={seq}: {p} u=4 / u=1 samples/s",
+                                     l2l[p, 4]["samples_per_sec"] /
+                                     l2l[p, 1]["samples_per_sec"], ">=", 1.5))
+        out[seq] = {"resident": base, "l2l": {f"{p}_u{u}": r for (p, u), r in l2l.items()}}
+    cap_txt = f"{a.cap_gib:g} GiB cap" if cap else "no cap"
+    return {"table": table(f"paper: BERT-Large shape, {cap_txt}; batch = samples per "
+                           "micro-batch (resident: per step)",
+                           ["T", "config", "u", "batch", "samples/s", "peak GiB",
+                            "vs resident fp32"], rows),
+            "by_seq": out, "targets": targets}
+
+
+def bench_depth(a) -> dict:
+    depths = [2, 4, 8] if a.tiny else [int(d) for d in a.depths.split(",")]
+    seq, mbs = (32, 4) if a.tiny else (128, 8)
+    peaks = {}
+    for n in depths:
+        s = job(a, shape(a, layers=n), seq=seq, mbs=mbs, u=2, precision="bf16",
+                extra=["--stash", "host"], steps=2)
+        peaks[n] = peak_bytes(s)
+    ratio = depth_flat(peaks)
+    rows = [[n, n * (12 * shape(a)["hidden"] ** 2) / 1e9, p / 2**20] for n, p in peaks.items()]
+    return {"table": table(f"depth: bf16, stash host, T={seq} u=2 B={mbs}",
+                           ["blocks", "block params (B)", "peak device MiB"], rows),
+            "peak_bytes": peaks, "targets": [check("deepest / shallowest peak device memory",
+                                                   ratio, "<=", 1.05)]}
+
+
+def mfu_shape(a) -> dict:
+    """A wide GPT (H=4096, 32 heads) as deep as --mfu-params, or as the host RAM holds: the
+    EPS keeps MEM bytes per parameter (fp32 master, AdamW m and v, the bf16 copy)."""
+    if a.tiny:
+        return dict(model="gpt", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
+    hidden = 4096
+    params = a.mfu_params * 1e9 or 0.6 * os.sysconf("SC_PHYS_PAGES") * os.sysconf(
+        "SC_PAGE_SIZE") / MEM
+    layers = max(1, int(params // (12 * hidden**2)))
+    return dict(model="gpt", layers=layers, hidden=hidden, heads=32, ffn=4 * hidden,
+                vocab=32000, classes=2)
+
+
+def bench_mfu(a) -> dict:
+    m = mfu_shape(a)
+    seq, mbs, u = (32, 2, 2) if a.tiny else (1024, 8, 8)
+    with tempfile.TemporaryDirectory(prefix="l2l-mfu-") as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        s = job(a, m, seq=seq, mbs=mbs, u=u, precision="bf16",
+                extra=["--stash", "host", "--trace", trace], steps=a.warmup + a.steps)
+        split = trace_split(trace)
+    params = s["eps"]["params"]
+    step = steady_step_seconds(s, a.warmup)
+    flops = 6 * params * mbs * u * seq / step
+    name = torch.cuda.get_device_name(a.device) if torch.device(a.device).type == "cuda" else ""
+    peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
+    mfu = flops / (peak * 1e12) if peak else float("nan")
+    rows = [[k, v, v / max(sum(split.values()), 1e-9)] for k, v in split.items()]
+    return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
+                           f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
+                           f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "
+                           f"{peak:g}; worker main thread by category (host seconds/step)",
+                           ["category", "s/step", "share"], rows),
+            "params": params, "step_seconds": step, "tflops": flops / 1e12, "mfu": mfu,
+            "time_split": split, "targets": []}
+
+
+def bench_peers(a) -> dict:
+    from .peers import PEERS
+
+    m = shape(a)
+    seq, mbs, u = (32, 4, 2) if a.tiny else (128, 32, 4)
+    mcfg = ModelConfig(**m, seq_len=seq, dropout=0.1)
+    rows, out = [], {}
+    for p in ("fp32",) if a.tiny else ("bf16",):
+        s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p, extra=["--stash", "host"])
+        mine = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
+                "peak_bytes": peak_bytes(s)}
+        out["l2l"] = mine
+        rows.append(["l2l (EPS + 1 worker)", mine["samples_per_sec"], mine["peak_bytes"] / GIB,
+                     1.0])
+        for name in [n for n in a.peers.split(",") if n]:
+            try:
+                r = PEERS[name](mcfg, micro_batches=u, batch_size=mbs, steps=a.steps,
+                                warmup=a.warmup, device=a.device, precision=p)
+            except Exception as e:  # not installed, or failed: say so beside the others
+                r = {"error": f"{type(e).__name__}: {e}"[:500]}
+            out[name] = r
+            if "error" in r:
+                rows.append([name, "-", "-", r["error"][:60]])
+            else:
+                rows.append([name, r["samples_per_sec"], r["peak_bytes"] / GIB,
+                             mine["samples_per_sec"] / r["samples_per_sec"]])
+    return {"table": table(f"peers: BERT L={m['layers']} H={m['hidden']} T={seq}, u={u} x "
+                           f"B={mbs} per step, {'bf16' if not a.tiny else 'fp32'}",
+                           ["system", "samples/s", "peak GiB", "l2l speed-up"], rows),
+            "systems": out, "targets": []}
+
+

@@ -1,0 +1,245 @@
+"""Pieces of the GPU benchmarks (bench/gpu.py): the resident baseline at the largest batch
+that fits under a device-memory cap, the largest L2L micro-batch, copy bandwidths, and the
+worker's time by category from its trace. On a CPU they run too (tiny models, no cap), so the
+harness is tested where there is no GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+
+from protocol.tensors import plan_layout
+from worker.config import ModelConfig
+from worker.data import Sharder, build_task
+from worker.memory import private_rss
+from worker.models import build_model
+from worker.models.base import param_group
+
+from .common import median, steady_step_seconds, sync, timed_steps
+
+# Host bytes per parameter in the EPS with bf16 compute and AdamW: fp32 master, m and v, the
+# bf16 copy served to workers (gradient slots and stash are per worker and small).
+MEM = 4 + 4 + 4 + 2
+
+
+@contextlib.contextmanager
+def capped(device: torch.device, cap: int):
+    """The caching allocator of this process refuses more than ``cap`` bytes (0: no cap)."""
+    cuda = device.type == "cuda"
+    if cuda and cap:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    try:
+        yield
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def peak_now(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else private_rss()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def resident_fit(mcfg: ModelConfig, precision: str, device: str, cap: int, *, steps: int,
+                 warmup: int, limit: int) -> dict:
+    """The assembled model trained as usual (fused AdamW; bf16: autocast, fp32 weights) at the
+    largest batch that fits under ``cap``: doubling until out of memory, then two bisections;
+    then timed at that batch."""
+    dev = torch.device(device)
+    with capped(dev, cap):
+        net = build_model(mcfg).assemble().train().to(dev)
+        groups: dict[str, list] = {"decay": [], "no_decay": []}
+        for name, p in net.named_parameters():
+            groups[param_group(name, p)].append(p)
+        opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": 0.01},
+                                 {"params": groups["no_decay"], "weight_decay": 0.0}],
+                                lr=1e-4, fused=True)
+        task = build_task(build_model(mcfg))
+
+        def stepper(batch_size: int):
+            sharder = Sharder(task, batch_size, 1)
+
+            def step(i: int) -> None:
+                opt.zero_grad(set_to_none=True)
+                batch = sharder.batches(i, range(1))[0].to(dev)
+                with torch.autocast(dev.type, dtype=torch.bfloat16,
+                                    enabled=precision == "bf16"):
+                    loss, _ = net(batch, rng=(mcfg.seed, i, 0))
+                loss.backward()
+                opt.step()
+            return step
+
+        def fits(batch_size: int) -> bool:
+            ok = True
+            try:
+                timed_steps(stepper(batch_size), 1, 1, dev)
+            except torch.OutOfMemoryError:
+                ok = False
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            return ok
+
+        best, fail = 0, 0
+        b = 1
+        while b <= limit:
+            if not fits(b):
+                fail = b
+                break
+            best, b = b, 2 * b
+        for _ in range(2 if best and fail else 0):
+            mid = (best + fail) // 2
+            if mid in (best, fail):
+                break
+            best, fail = (mid, fail) if fits(mid) else (best, mid)
+        if not best:
+            raise RuntimeError(f"resident {precision}: not even one sample fits in "
+                               f"{cap / 2**30:.1f} GiB")
+        reset_peak(dev)
+        seconds = timed_steps(stepper(best), steps, warmup, dev)
+        peak = peak_now(dev)
+    return {"batch": best, "step_seconds": seconds, "samples_per_sec": best / seconds,
+            "peak_bytes": int(peak)}
+
+
+def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap: int) -> int:
+    """An estimate of the largest L2L micro-batch under ``cap``: a one-block model's
+    activation bytes per sample (forward + backward, in the compute dtype) times u + 1 (the
+    last block keeps u micro-batches' graphs; one more is recomputed), plus two weight buffers
+    and two fp32 gradient slots of the largest layer, within 85% of the cap."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not cap:
+        return 8
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    one = replace(mcfg, layers=1)
+    net = build_model(one).assemble().train().to(dev, dtype)
+    task = build_task(build_model(one))
+    used = []
+    for b in (1, 2):
+        reset_peak(dev)
+        before = torch.cuda.memory_allocated(dev)
+        loss, _ = net(Sharder(task, b, 1).batches(0, range(1))[0].to(dev), rng=(0, 0, 0))
+        loss.backward()
+        net.zero_grad(set_to_none=True)
+        del loss
+        used.append(torch.cuda.max_memory_allocated(dev) - before)
+    del net
+    torch.cuda.empty_cache()
+    per_sample = max(used[1] - used[0], 1)
+    fixed = max(used[0] - per_sample, 0)
+    largest = plan_layout(build_model(mcfg).manifest()).max_layer_numel
+    buffers = largest * (2 * dtype.itemsize + 2 * 4)
+    return max(1, int((0.85 * cap - buffers - fixed) // ((u + 1) * per_sample)))
+
+
+def l2l_fit(run, mcfg: ModelConfig, precision: str, u: int, device: str, cap: int, *,
+            warmup: int, tiny: bool) -> dict:
+    """``run(micro_batch_size)`` -> a job's summary, at the estimated largest micro-batch; a
+    job that runs out of device memory is tried again 30% smaller (three times at most)."""
+    mbs = 4 if tiny else l2l_micro_batch(mcfg, precision, u, device, cap)
+    for attempt in range(4):
+        try:
+            s = run(mbs)
+        except RuntimeError as e:
+            if "out of memory" not in str(e).lower() or mbs == 1 or attempt == 3:
+                raise
+            mbs = max(1, int(mbs * 0.7))
+            continue
+        seconds = steady_step_seconds(s, warmup)
+        return {"batch": mbs, "step_seconds": seconds, "samples_per_sec": u * mbs / seconds,
+                "peak_bytes": peak_bytes(s)}
+    raise AssertionError("unreachable")
+
+
+def peak_bytes(summary: dict) -> int:
+    return max(w["peak_memory_bytes"] for w in summary["workers"])
+
+
+def depth_flat(peaks: dict[int, int]) -> float:
+    """Deepest model's peak over the shallowest's."""
+    depths = sorted(peaks)
+    return peaks[depths[-1]] / peaks[depths[0]]
+
+
+def transfer_ratios(device: torch.device, nbytes: int, reps: int = 10, rounds: int = 5) -> dict:
+    """GB/s of H2D from, and D2H into, a registered shared-memory region (as the worker maps
+    the EPS's) and a pin_memory() tensor of the same size: median of ``rounds`` interleaved
+    rounds of ``reps`` copies each, timed with CUDA events."""
+    from protocol.shm import Region
+    from worker.streams import register_host, unregister_host
+
+    region = Region.create(f"l2l-bench-transfer-{os.getpid()}", nbytes)
+    shared, copies = region.base, {}
+    try:
+        if not register_host(shared, read_only=False):
+            raise RuntimeError("cudaHostRegister refused the region (see the log)")
+        try:
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            on_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            copies = {("h2d", "registered"): lambda: on_dev.copy_(shared, non_blocking=True),
+                      ("h2d", "pinned"): lambda: on_dev.copy_(pinned, non_blocking=True),
+                      ("d2h", "registered"): lambda: shared.copy_(on_dev, non_blocking=True),
+                      ("d2h", "pinned"): lambda: pinned.copy_(on_dev, non_blocking=True)}
+            times: dict = defaultdict(list)
+            for _ in range(rounds + 1):  # the first round warms up
+                for key, copy in copies.items():
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True)
+                    start.record()
+                    for _ in range(reps):
+                        copy()
+                    end.record()
+                    end.synchronize()
+                    times[key].append(start.elapsed_time(end) / 1000 / reps)
+            sync(device)
+        finally:
+            unregister_host(shared)
+    finally:
+        shared = copies = None  # no view of the mapping outlives it
+        region.close()
+        region.unlink()
+    out: dict = {"mib": nbytes >> 20}
+    for d in ("h2d", "d2h"):
+        gbps = {k: nbytes / median(times[d, k][1:]) / 1e9 for k in ("registered", "pinned")}
+        out[d] = {"registered_gbps": gbps["registered"], "pinned_gbps": gbps["pinned"],
+                  "ratio": gbps["registered"] / gbps["pinned"]}
+    return out
+
+
+def trace_split(path: str) -> dict[str, float]:
+    """Seconds per step of the worker's main thread by span category, each span counted
+    without the spans nested in it (e.g. a wait inside a forward visit is "wait")."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("ph") == "M"}
+    workers = {pid for (pid, tid), n in names.items() if tid is None and
+               n.startswith("l2l-worker")}
+    spans = sorted((e for e in events if e.get("ph") == "X" and e["pid"] in workers and
+                    names.get((e["pid"], e["tid"])) == "MainThread"),
+                   key=lambda e: (e["ts"], -e["dur"]))
+    own: dict[str, float] = defaultdict(float)
+    stack: list[tuple[float, str]] = []  # (end, category) of the open spans
+    for e in spans:
+        while stack and stack[-1][0] <= e["ts"]:
+            stack.pop()
+        if stack:
+            own[stack[-1][1]] -= e["dur"]
+        own[e["cat"]] += e["dur"]
+        stack.append((e["ts"] + e["dur"], e["cat"]))
+    steps = max(1, sum(1 for e in spans if e["name"] == "data"))
+    return {cat: us / 1e6 / steps for cat, us in sorted(own.items())}

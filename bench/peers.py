@@ -1,0 +1,134 @@
+"""What users compare l2l with on one GPU: the same assembled model (same micro-batches, same
+global batch, AdamW, per-block activation checkpointing) trained by
+
+    fsdp2      PyTorch FSDP2, fully_shard per block and the root, CPUOffloadPolicy (parameters,
+               gradients and AdamW on the host; each block gathered to the GPU for its
+               forward, its recompute and its backward, for every micro-batch), one process
+    deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
+               (DeepSpeedCPUAdam, built at first use), if it is installed
+
+Each returns samples/s and peak device memory. On a CPU (tiny models, --tiny) FSDP2 runs
+without offload on gloo, which checks the harness; DeepSpeed needs CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+from torch import nn
+
+from worker.config import ModelConfig
+from worker.data import Sharder, build_task
+from worker.models import build_model
+
+from .common import timed_steps
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak(device: torch.device) -> int:
+    from worker.memory import private_rss
+
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else private_rss()
+
+
+def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int, warmup: int,
+          device: str, precision: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                            init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(dev.type, (1,))
+        net = build_model(mcfg).assemble().train()
+        kw = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True) if cuda
+                  else OffloadPolicy(),
+                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32)
+                  if precision == "bf16" else MixedPrecisionPolicy())
+        for block in net.blocks:
+            fully_shard(block, **kw)
+        fully_shard(net, **kw)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01)
+        sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+
+        def step(i: int) -> None:
+            for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
+                loss, _ = net(batch.to(dev), rng=(mcfg.seed, i, index), checkpoint=True)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        seconds = timed_steps(step, steps, warmup, dev)
+        return {"samples_per_sec": micro_batches * batch_size / seconds,
+                "step_seconds": seconds, "peak_bytes": int(_peak(dev)),
+                "offload": "CPUOffloadPolicy" if cuda else "none (CPU)"}
+    finally:
+        dist.destroy_process_group()
+
+
+class _Loss(nn.Module):
+    """DeepSpeed's engine calls the model with the batch and back-propagates what it returns."""
+
+    def __init__(self, net: nn.Module, seed: int):
+        super().__init__()
+        self.net, self.seed = net, seed
+
+    def forward(self, batch, rng):
+        return self.net(batch, rng=rng, checkpoint=True)[0]
+
+
+def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
+              warmup: int, device: str, precision: str) -> dict:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise RuntimeError("DeepSpeed ZeRO-3 offload needs CUDA")
+    import deepspeed as ds  # an ImportError says it is not installed
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_port()))
+    config = {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3,
+                              "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 1 << 30,
+    }
+    net = _Loss(build_model(mcfg).assemble().train(), mcfg.seed)
+    engine, _, _, _ = ds.initialize(model=net, model_parameters=net.parameters(),
+                                    config=config)
+    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+
+    def step(i: int) -> None:
+        for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
+            loss = engine(batch.to(dev), (mcfg.seed, i, index))
+            engine.backward(loss)
+            engine.step()  # updates once every gradient_accumulation_steps calls
+
+    torch.cuda.reset_peak_memory_stats(dev)
+    seconds = timed_steps(step, steps, warmup, dev)
+    return {"samples_per_sec": micro_batches * batch_size / seconds, "step_seconds": seconds,
+            "peak_bytes": int(_peak(dev)), "version": ds.__version__}
+
+
+PEERS = {"fsdp2": fsdp2, "deepspeed": deepspeed}
