@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {a.budget:.0f} s", flush=True)
     left = lambda: a.budget - (time.monotonic() - t0)  # noqa: E731
     report["tests"] = ({"skipped": "--skip-tests"} if a.skip_tests else
-                       run_tests(out, env, min(left() - 240, 300)))
+                       run_tests(out, env, min(left() - 180, 300)))
     report["benchmarks"] = run_benchmarks(out, env, left, a.full)
     report["seconds"] = round(time.monotonic() - t0, 1)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=1))

@@ -78,21 +78,34 @@ def _tiny(tmp_path, only: str, *extra: str) -> dict:
     return pieces
 
 
-def test_gpu_benchmark_harness_runs_on_cpu(tmp_path):
-    """The peers (an L2L job beside FSDP2 in one process) and the MFU piece (a traced job)
-    run through with tiny models; the other pieces in the slow test below."""
-    pieces = _tiny(tmp_path, "peers,mfu")
-    assert pieces["peers"]["systems"]["fsdp2"]["samples_per_sec"] > 0
-    assert "DeepSpeed" in pieces["peers"]["systems"]["deepspeed"]["error"] or \
-        "deepspeed" in pieces["peers"]["systems"]["deepspeed"]["error"]
-    assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
+def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
+    """The resident baseline's batch search and FSDP2 in one process (the peers' runner) work
+    with a tiny model; the jobs of every piece run in the slow test below."""
+    from bench.gpu import TINY
+    from bench.gpu_parts import resident_fit
+    from bench.peers import PEERS
+    from worker.config import ModelConfig
+
+    mcfg = ModelConfig(**TINY, seq_len=16, dropout=0.1)
+    fit = resident_fit(mcfg, "fp32", "cpu", 0, steps=1, warmup=1, limit=2)
+    assert fit["batch"] == 2 and fit["samples_per_sec"] > 0 and fit["peak_bytes"] > 0
+    r = PEERS["fsdp2"](mcfg, micro_batches=2, batch_size=2, steps=1, warmup=1, device="cpu",
+                       precision="fp32")
+    assert r["samples_per_sec"] > 0
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        PEERS["deepspeed"](mcfg, micro_batches=2, batch_size=2, steps=1, warmup=1,
+                           device="cpu", precision="fp32")
 
 
 @pytest.mark.slow
 def test_gpu_benchmark_harness_all_pieces_on_cpu(tmp_path):
-    """Also the paper table (resident batch search, L2L jobs per precision and u), memory by
-    depth and the overhead against the local loop."""
-    pieces = _tiny(tmp_path, "transfer,overhead,paper,depth", "--u", "1,2")
+    """Every piece with tiny models: the paper table (resident batch search, L2L jobs per
+    precision and u), memory by depth, the overhead against the local loop, MFU (a traced
+    job) and the peers (an L2L job beside FSDP2)."""
+    pieces = _tiny(tmp_path, "transfer,overhead,paper,depth,mfu,peers", "--u", "1,2")
+    assert pieces["peers"]["systems"]["fsdp2"]["samples_per_sec"] > 0
+    assert "needs CUDA" in pieces["peers"]["systems"]["deepspeed"]["error"]
+    assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
     assert rows["resident"]["fp32"]["batch"] >= 1 and rows["l2l"]["bf16_u2"]["batch"] >= 1
