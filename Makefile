@@ -21,7 +21,7 @@ WHEELS ?= .whl
 GPU_PY ?= 3.12
 GPU_WHEELS := pyzmq==27.1.0
 
-.PHONY: setup demo test test-slow finetune bench clean gpu-check gpu-wheels
+.PHONY: setup demo test test-slow finetune bench clean gpu-check gpu-wheels gpu-wheels-deepspeed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,14 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d $(WHEELS) $(GPU_WHEELS)
+
+# DeepSpeed for the peers benchmark: a pure-Python wheel built here (its CPU Adam compiles at
+# first use there, with the GPU machine's compiler) and what it needs that such images lack.
+gpu-wheels-deepspeed: $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEELS) deepspeed==0.19.8
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(WHEELS) pydantic hjson
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -27,10 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "numba", "yaml", "tqdm",
          "rich", "prometheus_client", "pytest")
-# Benchmark pieces in order, with the seconds one needs at least to be worth starting.
-PIECES = [("transfer", 20), ("overhead", 60), ("paper", 120), ("depth", 60), ("peers", 60),
-          ("mfu", 90)]
-QUICK = {"paper": ["--seq", "128", "--u", "1,4"], "depth": ["--depths", "24,48,96"]}
+# Benchmark runs in order: (label, piece of bench/gpu.py, its options, its options when
+# --full, the seconds it needs at least to be worth starting). DeepSpeed comes last: its
+# CPU Adam is compiled at first use.
+PIECES = [("transfer", "transfer", [], [], 20),
+          ("overhead", "overhead", [], [], 60),
+          ("paper", "paper", ["--seq", "128", "--u", "1,4"], [], 120),
+          ("depth", "depth", ["--depths", "24,48,96"], [], 60),
+          ("fsdp2", "peers", ["--peers", "fsdp2"], ["--peers", "fsdp2"], 60),
+          ("mfu", "mfu", [], [], 90),
+          ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,20 +173,20 @@ def run_tests(out: Path, env: dict, timeout: float) -> dict:
 
 def run_benchmarks(out: Path, env: dict, left, full: bool) -> dict:
     results = {}
-    for name, need in PIECES:
+    for name, piece, quick, whole, need in PIECES:
         if left() < need:
             results[name] = {"not_run": f"time budget ({left():.0f} s left, needs ~{need})"}
             continue
         path = out / f"bench-{name}.json"
-        cmd = [sys.executable, "-m", "bench", "gpu", "--only", name, "--json", str(path),
-               *([] if full else QUICK.get(name, []))]
+        cmd = [sys.executable, "-m", "bench", "gpu", "--only", piece, "--json", str(path),
+               *(whole if full else quick)]
         t = time.monotonic()
         log = out / f"bench-{name}.log"
         code, timed_out = run_bounded(cmd, env, left() - 5, log)
         if timed_out:
             data = {"error": "stopped at the end of the time budget"}
         elif path.exists():
-            data = json.loads(path.read_text())["pieces"][name]
+            data = json.loads(path.read_text())["pieces"][piece]
         else:
             data = {"error": f"exit {code}: {log.read_text()[-500:]}"}
         data["wall_seconds"] = round(time.monotonic() - t, 1)
