@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from worker.config import ModelConfig
+from worker.streams import read_only_registration_supported
 
 from .baseline import assert_close, train_resident
 from .helpers import SMALL
@@ -131,6 +132,8 @@ def test_every_shared_mapping_is_registered_with_the_driver(cluster, tmp_path):
     assert got["unpinned_regions"] == 0, log
     assert got["pinned_regions"] >= 3, got  # master (served) weights, gradient slots, arena
     assert "cudaHostRegister" not in log
+    # weights mapped read-only where the GPU can register such memory, else writable
+    assert read_only_registration_supported(torch.device("cuda:0")) in (True, False)
 
 
 def test_a_refused_registration_is_logged_and_leaves_cuda_working(caplog):

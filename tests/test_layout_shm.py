@@ -111,6 +111,42 @@ def test_region_owner_only_and_shared(region_name):
     assert region_name not in list_regions("l2l-test-")
 
 
+@pytest.mark.parametrize("read_only_ok", [True, False, None])
+def test_weights_are_pinned_through_a_shared_mapping_the_gpu_can_register(
+        region_name, monkeypatch, read_only_ok):
+    """A GPU that cannot register read-only memory (cudaDevAttrHostRegisterReadOnlySupported
+    0, or unknown and refused) gets the weights mapped writable and shared, so the pinned
+    pages are the EPS's live ones; one that can gets a read-only mapping. Mappings the GPU does
+    not copy are never registered, nor re-mapped."""
+    import worker.regions as regions_mod
+    from protocol.messages import RegionInfo
+
+    calls = []
+    monkeypatch.setattr(regions_mod, "read_only_registration_supported",
+                        lambda device: read_only_ok)
+    monkeypatch.setattr(regions_mod, "register_host",
+                        lambda t, read_only: calls.append(read_only) or True)
+    monkeypatch.setattr(regions_mod, "unregister_host", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    owner = Region.create(region_name, 4096)
+    other = Region.create(region_name + "-b", 4096)
+    try:
+        regions = regions_mod.Regions(pin=True, device=torch.device("cpu"))
+        weights = regions.attach(RegionInfo(name=region_name, nbytes=4096, dtype="float32"),
+                                 writable=False)
+        unpinned = regions.attach(RegionInfo(name=region_name + "-b", nbytes=4096,
+                                             dtype="float32"), writable=False, pin=False)
+        assert weights.writable is (read_only_ok is False) and not unpinned.writable
+        assert calls == [read_only_ok is not False] and regions.registered == 1
+        owner.tensor(torch.float32)[:2] = torch.tensor([1.0, 2.0])  # the EPS updates a layer
+        assert weights.tensor(torch.float32)[:2].tolist() == [1.0, 2.0]  # seen: shared
+        regions.close()
+    finally:
+        for r in (owner, other):
+            r.unlink()
+            r.close()
+
+
 def test_attach_refuses_a_region_others_can_read(region_name):
     r = Region.create(region_name, 64)
     try:

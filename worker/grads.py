@@ -15,7 +15,7 @@ Pushes are asynchronous; every push is one Future resolved by the EPS's GradAck 
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -139,7 +139,7 @@ class DeviceGrads(StagedGrads):
     def __init__(self, *args, delays: dict[str, int] | None = None, **kw):
         super().__init__(*args, **kw)
         self.streams = Streams(kw["device"], delays)
-        self._pusher = ThreadPoolExecutor(1, "l2l-push")
+        self._pusher = self.streams.thread_pool("l2l-push")
 
     def _push(self, step, plan, slot, buf):
         computed = self.streams.event()
@@ -155,7 +155,7 @@ class DeviceGrads(StagedGrads):
                 self.streams.wait(computed, self.streams.d2h)
                 self.streams.stall("d2h", self.streams.d2h)
                 data = self.out.put(slot, plan, buf)
-                self.streams.event(self.streams.d2h).synchronize()
+                self.streams.event(self.streams.d2h, host_waits=True).synchronize()
             sent = self._send(step, plan, slot, data)
         except BaseException as e:
             self.slots.release(slot)

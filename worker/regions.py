@@ -6,11 +6,15 @@
   is taken before a layer's backward and given back when the EPS acks the push (it has been
   reduced). ``SlotRing`` hands them out.
 - On CUDA every mapping is registered as pinned memory once (cudaHostRegister), so host<->device
-  copies from and into the EPS's shared memory are asynchronous DMA.
+  copies from and into the EPS's shared memory are asynchronous DMA. Where the GPU cannot
+  register read-only mappings (cudaDevAttrHostRegisterReadOnlySupported = 0, common on x86),
+  the weights are mapped writable and shared instead (never written here; a private
+  copy-on-write mapping would be pinned as a stale copy).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import warnings
 
@@ -20,7 +24,9 @@ from protocol.messages import LayerReady, RegionInfo, Welcome
 from protocol.shm import Region
 from protocol.tensors import DTYPES, LayerPlan, Layout
 
-from .streams import register_host, unregister_host
+from .streams import read_only_registration_supported, register_host, unregister_host
+
+log = logging.getLogger(__name__)
 
 
 def frombuffer(buf, dtype: torch.dtype) -> torch.Tensor:
@@ -32,8 +38,10 @@ def frombuffer(buf, dtype: torch.dtype) -> torch.Tensor:
 class Regions:
     """The EPS regions this worker maps (read-only weights, read-write slots and stash)."""
 
-    def __init__(self, pin: bool):
+    def __init__(self, pin: bool, device: torch.device | None = None):
         self.pin = pin
+        self.device = device
+        self._read_only_ok: bool | None = None  # asked of the driver on the first pin
         self._regions: dict[str, Region] = {}
         self._pinned: list[torch.Tensor] = []
         self.registered = 0  # mappings page-locked for the GPU
@@ -44,15 +52,26 @@ class Regions:
         it (not, e.g., the fp32 master under bf16 compute: only rank 0 reads it, to save)."""
         region = self._regions.get(info.name)
         if region is None:
-            region = Region.attach(info.name, info.nbytes, writable=writable)
+            pin = self.pin and pin and info.nbytes > 0
+            mapped_writable = writable or (pin and not self._read_only_registers())
+            region = Region.attach(info.name, info.nbytes, writable=mapped_writable)
             self._regions[info.name] = region
-            if self.pin and pin and region.nbytes:
-                if register_host(region.base, read_only=not writable):
+            if pin:
+                if register_host(region.base, read_only=not mapped_writable):
                     self._pinned.append(region.base)
                     self.registered += 1
                 else:
                     self.refused += 1
         return region
+
+    def _read_only_registers(self) -> bool:
+        if self._read_only_ok is None:
+            found = read_only_registration_supported(self.device or torch.device("cuda"))
+            self._read_only_ok = found is not False  # unknown: try, a refusal is logged
+            if not self._read_only_ok:
+                log.info("this GPU cannot register read-only memory: the EPS's weights are "
+                         "mapped writable (and never written) so they can be pinned")
+        return self._read_only_ok
 
     def get(self, name: str) -> Region:
         region = self._regions.get(name)
@@ -62,7 +81,10 @@ class Regions:
 
     def close(self) -> None:
         if self._pinned:
-            torch.cuda.synchronize()  # no copy may still be reading or writing a mapping
+            try:
+                torch.cuda.synchronize()  # no copy may still be reading or writing a mapping
+            except RuntimeError as e:  # a sticky CUDA error: the device is unusable anyway
+                log.error("CUDA failed before the regions were released: %s", e)
         for base in self._pinned:
             unregister_host(base)
         self._pinned.clear()

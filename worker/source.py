@@ -125,7 +125,7 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
     cuda = device.type == "cuda"
     shm = cfg.transport == "shm"
     delays = parse_delays(cfg.cuda_delay)
-    regions = Regions(pin=cuda)
+    regions = Regions(pin=cuda, device=device)
     if shm:
         for info in (welcome.master, welcome.compute, welcome.retained):
             if info is not None:  # the GPU copies the served weights, not a master behind them
@@ -137,7 +137,8 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
     locator = FetchLocator(client)
     if (shm and welcome.versions is not None and welcome.compute_dtype != "float16"
             and platform.machine() in STORE_ORDERED):
-        board = regions.attach(welcome.versions, writable=False).tensor(torch.int64)
+        board = regions.attach(welcome.versions, writable=False,
+                               pin=False).tensor(torch.int64)  # read by the CPU only
         locator = BoardLocator(client, board, welcome.compute or welcome.master, layout)
 
     common = (locator, client, regions, layout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 # cudaHostRegister flags (cuda_runtime_api.h)
 HOST_REGISTER_DEFAULT = 0
 HOST_REGISTER_READ_ONLY = 8
+# cudaDeviceAttr (driver_types.h): may memory mapped read-only be registered (flag above)?
+ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED = 113
 
 
 class Streams:
@@ -41,11 +44,13 @@ class Streams:
                          torch.cuda.current_stream(self.device)):
                 torch.cuda._sleep(cycles)
 
-    def event(self, stream=None):
-        """An event recorded now on ``stream`` (default: the compute stream); None on CPU."""
+    def event(self, stream=None, host_waits: bool = False):
+        """An event recorded now on ``stream`` (default: the compute stream); None on CPU.
+        ``host_waits``: a thread will synchronize on it, sleeping rather than spinning (a
+        spinning thread takes a core from the EPS's optimizer on the same box)."""
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=host_waits)
         ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return ev
 
@@ -58,6 +63,15 @@ class Streams:
     def on(self, stream):
         """Context: issue work on ``stream`` (no-op on CPU)."""
         return torch.cuda.stream(stream) if stream is not None else _Null()
+
+    def thread_pool(self, name: str) -> ThreadPoolExecutor:
+        """One helper thread (copies); on CUDA it works on this device: a new thread starts on
+        device 0, and leaving a stream context there would create a context on GPU 0 for a
+        worker of another GPU."""
+        if not self.cuda:
+            return ThreadPoolExecutor(1, name)
+        return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device,
+                                  initargs=(self.device,))
 
 
 class _Null:
@@ -104,6 +118,23 @@ def _describe(code: int) -> str:
         return "see cuda_runtime_api.h"
 
 
+def read_only_registration_supported(device: torch.device) -> bool | None:
+    """Whether ``device`` can register memory mapped read-only (None: cannot tell). Many x86
+    machines cannot (cudaDevAttrHostRegisterReadOnlySupported is 0); there a read-only mapping
+    cannot be registered at all, with any flags."""
+    value = ctypes.c_int(0)
+    for path in cudart_paths():
+        try:
+            fn = ctypes.CDLL(path).cudaDeviceGetAttribute
+        except (OSError, AttributeError):
+            continue
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if fn(ctypes.byref(value), ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index) == 0:
+            return bool(value.value)
+        drain_cuda_error()
+    return None
+
+
 def drain_cuda_error() -> int:
     """Reset the CUDA runtime's pending error after a failed call made through torch's raw
     cudart binding (which has no cudaGetLastError). A failed cudaHostRegister leaves its error
@@ -118,6 +149,10 @@ def drain_cuda_error() -> int:
             drained += 1
         except (OSError, AttributeError):
             continue
+    if not drained:
+        log.error("no CUDA runtime library found in this process to clear the error of the "
+                  "failed call with (torch linked statically?): the next CUDA error check may "
+                  "report it")
     return drained
 
 

@@ -16,7 +16,7 @@ Weight paths hand the executor a flat tensor of the layer, one visit ahead:
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -133,7 +133,7 @@ class DeviceCopyWeights(WeightPath):
                         for _ in range(2)]
         self._released: list = [None, None]  # per buffer: event after its last reader
         self._free = [0, 1]
-        self._copier = ThreadPoolExecutor(1, "l2l-prefetch")
+        self._copier = self.streams.thread_pool("l2l-prefetch")
 
     def _start(self, layer: int, version: int) -> Future:
         if not self._free:  # the executor takes one visit's weights, then prefetches
