@@ -6,6 +6,7 @@ by side (these machines are noisy); times are medians over steady-state steps.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import platform
@@ -33,17 +34,41 @@ def machine() -> dict:
 def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), server=(),
             timeout: float = 3600) -> dict:
     """Run ``l2l-launch`` (real processes) and return its summary (with per-worker
-    ``step_seconds`` and ``peak_memory_bytes``)."""
+    ``step_seconds`` and ``peak_memory_bytes``). A failure's error holds the end of every
+    process's log (read before the run's folder goes: out-of-memory is told by it)."""
     with tempfile.TemporaryDirectory(prefix="l2l-bench-") as tmp:
-        summary = os.path.join(tmp, "summary.json")
-        argv = [sys.executable, "-m", "launch", "--quiet", "--runs-dir",
-                os.path.join(tmp, "runs"), "--workers", str(workers),
+        summary, runs = os.path.join(tmp, "summary.json"), os.path.join(tmp, "runs")
+        argv = [sys.executable, "-m", "launch", "--runs-dir", runs, "--workers", str(workers),
                 "--steps", str(steps), "--summary-json", summary, *model_args, *extra, *server]
-        p = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"l2l-launch failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        with open(os.path.join(tmp, "console.log"), "w+") as console:
+            p = subprocess.Popen(argv, env=ENV, stdout=console, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+            try:
+                code = p.wait(timeout=timeout)
+            except BaseException:  # interrupted (SIGINT reaches the launcher too) or timed out
+                try:
+                    p.wait(timeout=20)  # the launcher stops its processes and unlinks memory
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                raise
+            if code != 0:
+                console.seek(0)
+                raise RuntimeError(f"l2l-launch failed ({code}):\n{console.read()[-3000:]}"
+                                   + log_tails(runs))
         with open(summary) as f:
             return json.load(f)
+
+
+def log_tails(folder: str, lines: int = 40) -> str:
+    """The last ``lines`` lines of every ``*.log`` under ``folder``."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.log"), recursive=True)):
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+        out.append(f"\n--- {os.path.relpath(path, folder)} (last {len(tail)} lines)\n"
+                   + "\n".join(tail))
+    return "".join(out)
 
 
 def steady_step_seconds(summary: dict, warmup: int) -> float:
@@ -92,6 +117,20 @@ def table(title: str, headers: list[str], rows: list[list]) -> str:
     out += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                       enumerate(zip(row, widths))) for row in cells]
     return "\n".join(out)
+
+
+class LiveRows(list):
+    """A table's rows, each printed as it is added: a piece can take minutes, and one stopped
+    midway has shown what it measured."""
+
+    def __init__(self, headers: list[str]):
+        super().__init__()
+        self.headers = headers
+        print("  ".join(headers), flush=True)
+
+    def append(self, row: list) -> None:
+        super().append(row)
+        print("  ".join(_fmt(c) for c in row), flush=True)
 
 
 def _fmt(c) -> str:

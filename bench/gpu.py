@@ -29,9 +29,10 @@ import torch
 
 from worker.config import ModelConfig
 
-from .common import check, l2l_job, steady_step_seconds, table
+from .common import LiveRows, check, l2l_job, steady_step_seconds, table
 from .gpu_parts import (
     MEM,
+    SHM,
     depth_flat,
     l2l_fit,
     peak_bytes,
@@ -78,23 +79,40 @@ def gpu(a) -> dict:
                          "checks the harness on a CPU")
     if not cuda and not a.tiny:
         raise SystemExit("on a CPU only --tiny runs (the figures are GPU figures)")
+    names = [n for n in a.only.split(",") if n]
+    unknown = [n for n in names if n not in PIECES]
+    if unknown:
+        raise SystemExit(f"unknown piece {unknown[0]!r}; pieces: {', '.join(PIECES)}")
     results, targets = {}, []
-    for name in [n for n in a.only.split(",") if n]:
-        if name not in PIECES:
-            raise SystemExit(f"unknown piece {name!r}; pieces: {', '.join(PIECES)}")
+    for name in names:
         t0 = time.perf_counter()
+        a.live = None
         try:
             r = globals()[f"bench_{name}"](a)
+        except KeyboardInterrupt:  # the time budget ran out: keep the rows measured so far
+            rows = a.live or []
+            r = {"stopped": f"interrupted after {len(rows)} rows", "targets": [],
+                 "rows": [[str(c) for c in row] for row in rows],
+                 "table": table(f"{name}: STOPPED, the rows measured so far", a.live.headers,
+                                rows) if rows else f"{name}: STOPPED before a row"}
         except Exception as e:  # one piece failing must not lose the others' figures
-            r = {"error": f"{type(e).__name__}: {e}"[:2000], "targets": [],
-                 "table": f"{name}: FAILED: {type(e).__name__}: {str(e)[:500]}"}
+            r = {"error": f"{type(e).__name__}: {e}"[-4000:], "targets": [],
+                 "table": f"{name}: FAILED: {type(e).__name__}: {str(e)[-1500:]}"}
         r["seconds"] = round(time.perf_counter() - t0, 1)
         results[name] = r
         targets += r["targets"]
         print(r["table"] + "\n", flush=True)  # as it comes: a piece can take minutes
+        if "stopped" in r:
+            break
     return {"table": "", "pieces": results, "targets": targets,
             "device": torch.cuda.get_device_name(a.device) if cuda else "cpu",
             "torch": torch.__version__}
+
+
+def live(a, headers: list[str]) -> LiveRows:
+    """The current piece's rows, printed as they come and kept if it is stopped."""
+    a.live = LiveRows(headers)
+    return a.live
 
 
 def shape(a, **over) -> dict:
@@ -148,13 +166,15 @@ def bench_overhead(a) -> dict:
 
 def bench_paper(a) -> dict:
     cap = 0 if a.tiny else int(a.cap_gib * GIB)
-    rows, out, targets = [], {}, []
+    headers = ["T", "config", "u", "batch", "samples/s", "peak GiB", "vs resident fp32"]
+    rows, out, targets = live(a, headers), {}, []
     for seq in ([32] if a.tiny else [int(s) for s in a.seq.split(",")]):
         m = shape(a)
         mcfg = ModelConfig(**m, seq_len=seq, dropout=0.1)
-        base = {p: resident_fit(mcfg, p, a.device, cap, steps=a.steps, warmup=a.warmup,
-                                limit=2 if a.tiny else 1024) for p in ("fp32", "bf16")}
-        for p, r in base.items():
+        base = {}
+        for p in ("fp32", "bf16"):
+            r = base[p] = resident_fit(mcfg, p, a.device, cap, steps=a.steps, warmup=a.warmup,
+                                       limit=2 if a.tiny else 1024)
             rows.append([seq, f"resident {p}{' (AMP)' if p == 'bf16' else ''}", "-",
                          r["batch"], r["samples_per_sec"], r["peak_bytes"] / GIB, 1.0])
         l2l = {}
@@ -182,36 +202,36 @@ def bench_paper(a) -> dict:
         out[seq] = {"resident": base, "l2l": {f"{p}_u{u}": r for (p, u), r in l2l.items()}}
     cap_txt = f"{a.cap_gib:g} GiB cap" if cap else "no cap"
     return {"table": table(f"paper: BERT-Large shape, {cap_txt}; batch = samples per "
-                           "micro-batch (resident: per step)",
-                           ["T", "config", "u", "batch", "samples/s", "peak GiB",
-                            "vs resident fp32"], rows),
+                           "micro-batch (resident: per step)", headers, rows),
             "by_seq": out, "targets": targets}
 
 
 def bench_depth(a) -> dict:
     depths = [2, 4, 8] if a.tiny else [int(d) for d in a.depths.split(",")]
     seq, mbs = (32, 4) if a.tiny else (128, 8)
-    peaks = {}
+    headers = ["blocks", "block params (B)", "peak device MiB"]
+    peaks, rows = {}, live(a, headers)
     for n in depths:
         s = job(a, shape(a, layers=n), seq=seq, mbs=mbs, u=2, precision="bf16",
                 extra=["--stash", "host"], steps=2)
         peaks[n] = peak_bytes(s)
+        rows.append([n, n * (12 * shape(a)["hidden"] ** 2) / 1e9, peaks[n] / 2**20])
     ratio = depth_flat(peaks)
-    rows = [[n, n * (12 * shape(a)["hidden"] ** 2) / 1e9, p / 2**20] for n, p in peaks.items()]
-    return {"table": table(f"depth: bf16, stash host, T={seq} u=2 B={mbs}",
-                           ["blocks", "block params (B)", "peak device MiB"], rows),
+    return {"table": table(f"depth: bf16, stash host, T={seq} u=2 B={mbs}", headers, rows),
             "peak_bytes": peaks, "targets": [check("deepest / shallowest peak device memory",
                                                    ratio, "<=", 1.05)]}
 
 
 def mfu_shape(a) -> dict:
-    """A wide GPT (H=4096, 32 heads) as deep as --mfu-params, or as the host RAM holds: the
-    EPS keeps MEM bytes per parameter (fp32 master, AdamW m and v, the bf16 copy)."""
+    """A wide GPT (H=4096, 32 heads) as deep as --mfu-params, or as the host holds: the EPS
+    keeps MEM bytes per parameter (fp32 master, AdamW m and v, the bf16 copy), SHM of them in
+    shared memory, whose file system may be smaller than the RAM."""
     if a.tiny:
         return dict(model="gpt", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
     hidden = 4096
-    params = a.mfu_params * 1e9 or 0.6 * os.sysconf("SC_PHYS_PAGES") * os.sysconf(
-        "SC_PAGE_SIZE") / MEM
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    shm = os.statvfs("/dev/shm")
+    params = a.mfu_params * 1e9 or min(0.6 * ram / MEM, 0.8 * shm.f_bavail * shm.f_frsize / SHM)
     layers = max(1, int(params // (12 * hidden**2)))
     return dict(model="gpt", layers=layers, hidden=hidden, heads=32, ffn=4 * hidden,
                 vocab=32000, classes=2)
@@ -242,12 +262,24 @@ def bench_mfu(a) -> dict:
 
 
 def bench_peers(a) -> dict:
-    from .peers import PEERS
+    from .peers import PEERS, missing
 
     m = shape(a)
     seq, mbs, u = (32, 4, 2) if a.tiny else (128, 32, 4)
     mcfg = ModelConfig(**m, seq_len=seq, dropout=0.1)
-    rows, out = [], {}
+    title = (f"peers: BERT L={m['layers']} H={m['hidden']} T={seq}, u={u} x B={mbs} per step, "
+             f"{'bf16' if not a.tiny else 'fp32'}")
+    headers = ["system", "samples/s", "peak GiB", "l2l speed-up"]
+    names = [n for n in a.peers.split(",") if n]
+    absent = {n: why for n in names if (why := missing(n))}
+    if len(absent) == len(names):  # nothing to compare with: spare the L2L job
+        return {"table": table(title, headers, [[n, "-", "-", w] for n, w in absent.items()]),
+                "systems": {n: {"error": w} for n, w in absent.items()}, "targets": [],
+                "skipped": "; ".join(absent.values())}
+    # The peers' optimizers run on the host in this process, as the EPS's do in its threads.
+    torch.set_num_threads(a.server_threads)
+    os.environ["OMP_NUM_THREADS"] = str(a.server_threads)  # DeepSpeed's CPU Adam (OpenMP)
+    rows, out = live(a, headers), {}
     for p in ("fp32",) if a.tiny else ("bf16",):
         s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p, extra=["--stash", "host"])
         mine = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
@@ -255,7 +287,7 @@ def bench_peers(a) -> dict:
         out["l2l"] = mine
         rows.append(["l2l (EPS + 1 worker)", mine["samples_per_sec"], mine["peak_bytes"] / GIB,
                      1.0])
-        for name in [n for n in a.peers.split(",") if n]:
+        for name in names:
             try:
                 r = PEERS[name](mcfg, micro_batches=u, batch_size=mbs, steps=a.steps,
                                 warmup=a.warmup, device=a.device, precision=p)
@@ -267,9 +299,6 @@ def bench_peers(a) -> dict:
             else:
                 rows.append([name, r["samples_per_sec"], r["peak_bytes"] / GIB,
                              mine["samples_per_sec"] / r["samples_per_sec"]])
-    return {"table": table(f"peers: BERT L={m['layers']} H={m['hidden']} T={seq}, u={u} x "
-                           f"B={mbs} per step, {'bf16' if not a.tiny else 'fp32'}",
-                           ["system", "samples/s", "peak GiB", "l2l speed-up"], rows),
-            "systems": out, "targets": []}
+    return {"table": table(title, headers, rows), "systems": out, "targets": []}
 
 

@@ -26,6 +26,8 @@ from .common import median, steady_step_seconds, sync, timed_steps
 # Host bytes per parameter in the EPS with bf16 compute and AdamW: fp32 master, m and v, the
 # bf16 copy served to workers (gradient slots and stash are per worker and small).
 MEM = 4 + 4 + 4 + 2
+# Of which in shared memory: the master and the bf16 copy (and a retained copy, if kept).
+SHM = 4 + 2 + 2
 
 
 @contextlib.contextmanager

@@ -5,10 +5,13 @@ the GPU benchmarks (bench/gpu.py), inside a time budget, into one JSON and one m
     make gpu-check WHEELS=DIR                                  (the same, with python3)
 
 It needs no network: packages the machine's Python lacks (pyzmq, say) are installed from the
-wheels in DIR into OUT/site, for this run only. It runs from a checkout (nothing installed).
-Without CUDA it says so and exits 2; it exits 1 if a test fails or a benchmark breaks (a
-benchmark target missed is reported, not a failure), else 0. The benchmarks run in order
-while the budget lasts; a piece that cannot start in time is listed as not run.
+wheels in DIR into a temporary folder, for this run only. It runs from a checkout (nothing
+installed). OUT receives three files only, rewritten as each part ends (a run killed midway
+leaves what was done): gpu-check.json, gpu-check.md and gpu-check.log (every part's output).
+Without CUDA it says so and exits 2 (``--tiny`` checks this harness on a CPU instead); it exits
+1 if a test fails or a benchmark breaks (a missed target, or a piece stopped by the budget, is
+reported, not a failure), else 0. The benchmarks run in order while the budget lasts, each
+within its own share; a piece that cannot start in time is listed as not run.
 """
 
 from __future__ import annotations
@@ -17,26 +20,78 @@ import argparse
 import importlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "numba", "yaml", "tqdm",
-         "rich", "prometheus_client", "pytest")
+NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "yaml", "tqdm",
+         "prometheus_client")
 # Benchmark runs in order: (label, piece of bench/gpu.py, its options, its options when
-# --full, the seconds it needs at least to be worth starting). DeepSpeed comes last: its
-# CPU Adam is compiled at first use.
-PIECES = [("transfer", "transfer", [], [], 20),
-          ("overhead", "overhead", [], [], 60),
-          ("paper", "paper", ["--seq", "128", "--u", "1,4"], [], 120),
-          ("depth", "depth", ["--depths", "24,48,96"], [], 60),
-          ("fsdp2", "peers", ["--peers", "fsdp2"], ["--peers", "fsdp2"], 60),
-          ("mfu", "mfu", [], [], 90),
-          ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120)]
+# --full, seconds it needs at least to be worth starting, seconds it may take at most (not
+# with --full)). DeepSpeed comes last: its CPU Adam is compiled at first use.
+PIECES = [("transfer", "transfer", [], [], 20, 60),
+          ("overhead", "overhead", [], [], 60, 120),
+          ("paper", "paper", ["--seq", "128", "--u", "1,4"], [], 120, 240),
+          ("depth", "depth", ["--depths", "24,48,96"], [], 60, 120),
+          ("fsdp2", "peers", ["--peers", "fsdp2"], ["--peers", "fsdp2"], 60, 120),
+          ("mfu", "mfu", ["--mfu-params", "2"], [], 90, 180),
+          ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120, 240)]
+TINY = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
+
+
+class Check:
+    """The report, written to OUT whenever a part ends; every part's output goes to one log."""
+
+    def __init__(self, out: Path, work: Path, report: dict):
+        self.out, self.work, self.report = out, work, report
+        self.log = out / "gpu-check.log"
+        self.log.write_text("")
+
+    def save(self) -> None:
+        for name, text in (("gpu-check.json", json.dumps(self.report, indent=1)),
+                           ("gpu-check.md", markdown(self.report))):
+            tmp = self.out / f".{name}"
+            tmp.write_text(text)
+            tmp.replace(self.out / name)
+
+    def run(self, label: str, cmd: list[str], env: dict, timeout: float) -> tuple[int, bool, str]:
+        """Run ``cmd`` for at most ``timeout`` seconds (then SIGINT to its process group, so
+        pytest's fixtures and l2l-launch stop their processes, and SIGKILL 30 s later); its
+        output is appended to the log. Returns (exit code, timed out, its output's tail)."""
+        part = self.work / f"{label}.log"
+        with open(part, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                code, timed_out = proc.wait(timeout=max(timeout, 10)), False
+            except subprocess.TimeoutExpired:
+                stop_group(proc)
+                code, timed_out = proc.wait(), True
+        text = part.read_text(errors="replace")
+        with open(self.log, "a") as f:
+            f.write(f"===== {label}: {' '.join(cmd)}\n{text}\n===== {label}: exit {code}"
+                    f"{' (stopped: time budget)' if timed_out else ''}\n\n")
+        return code, timed_out, text[-3000:]
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,18 +103,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true",
                    help="the whole paper table (T=128,512, u=1,2,4,8) and 384 blocks")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--tiny", action="store_true",
+                   help="check this harness on a CPU: tiny models, the CUDA tests skip")
     a = p.parse_args(argv)
     t0 = time.monotonic()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    paths = [str(ROOT)]
+    work = Path(tempfile.mkdtemp(prefix="l2l-gpucheck-"))
+    try:
+        return check(a, t0, out, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check(a, t0: float, out: Path, work: Path) -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths, wheels = [str(ROOT)], {}
     if a.wheels:
-        site = install_wheels(Path(a.wheels), out / "site")
-        if site is None:
+        wheels = install_wheels(Path(a.wheels), work / "site")
+        if wheels is None:
             return 2
-        paths.insert(0, str(site))
-        sys.path[:0] = [str(site)]
+        paths.insert(0, str(work / "site"))
+        sys.path[:0] = [str(work / "site")]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     sys.path.insert(0, str(ROOT))
     missing = [m for m in NEEDS if not importable(m)]
@@ -74,28 +139,62 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda and not a.tiny:
         why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
         print(f"gpu-check: no CUDA device here: torch {torch.__version__} ({sys.executable}) "
               f"{why}. Nothing was checked.", file=sys.stderr)
         return 2
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "python": sys.version.split()[0],
-              "gpus": torch.cuda.device_count(), "budget_seconds": a.budget}
-    print(f"gpu-check: {report['device']}, torch {report['torch']} (CUDA {report['cuda']}), "
-          f"budget {a.budget:.0f} s", flush=True)
+    c = Check(out, work, {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (--tiny: harness check)",
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": sys.version.split()[0], "gpus": torch.cuda.device_count(),
+        "cpus": os.cpu_count(), "budget_seconds": a.budget, "wheels": wheels,
+        "tests": {"not_run": "not yet"}, "benchmarks": {}, "seconds": 0.0})
+    if cuda:  # where this is False the worker maps the weights writable to pin them
+        from worker.streams import read_only_registration_supported
+
+        c.report["read_only_registration"] = read_only_registration_supported(
+            torch.device("cuda:0"))
+    c.save()
+    print(f"gpu-check: {c.report['device']}, torch {c.report['torch']} (CUDA "
+          f"{c.report['cuda']}), budget {a.budget:.0f} s", flush=True)
     left = lambda: a.budget - (time.monotonic() - t0)  # noqa: E731
-    report["tests"] = ({"skipped": "--skip-tests"} if a.skip_tests else
-                       run_tests(out, env, min(left() - 180, 300)))
-    report["benchmarks"] = run_benchmarks(out, env, left, a.full)
-    report["seconds"] = round(time.monotonic() - t0, 1)
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=1))
-    (out / "gpu-check.md").write_text(markdown(report))
+    if a.skip_tests:
+        c.report["tests"] = {"not_run": "--skip-tests"}
+    elif not importable("pytest"):
+        c.report["tests"] = {"not_run": f"{sys.executable} has no pytest"}
+    else:
+        c.report["tests"] = guarded(lambda: run_tests(c, env, min(left() - 220, 240), a.tiny))
+    c.report["seconds"] = round(time.monotonic() - t0, 1)
+    c.save()
+    for name, piece, quick, whole, need, cap in PIECES:
+        if left() < need:
+            c.report["benchmarks"][name] = {"not_run": f"time budget ({left():.0f} s left, "
+                                                       f"needs ~{need})"}
+        else:
+            opts = (whole if a.full else quick) + (TINY if a.tiny else [])
+            timeout = left() - 5 if a.full else min(left() - 5, cap)
+            c.report["benchmarks"][name] = guarded(
+                lambda: run_piece(c, env, name, piece, opts, timeout))
+        c.report["seconds"] = round(time.monotonic() - t0, 1)
+        c.save()
     print((out / "gpu-check.md").read_text())
-    print(f"gpu-check: wrote {out / 'gpu-check.json'} and {out / 'gpu-check.md'}")
-    broken = report["tests"].get("failed", 0) + report["tests"].get("errors", 0) + sum(
-        1 for b in report["benchmarks"].values() if "error" in b)
-    return 1 if broken or report["tests"].get("timed_out") else 0
+    print(f"gpu-check: wrote {out / 'gpu-check.json'}, {out / 'gpu-check.md'} and "
+          f"{c.log}")
+    t = c.report["tests"]
+    broken = (t.get("failed", 0) + t.get("errors", 0) + ("broken" in t) + ("error" in t)
+              + sum("error" in b for b in c.report["benchmarks"].values()))
+    return 1 if broken else 0
+
+
+def guarded(part) -> dict:
+    """A part's result; a bug in this harness costs that part, not the report."""
+    try:
+        return part()
+    except Exception as e:
+        print(f"gpu-check: harness error: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"error": f"gpu-check itself failed: {type(e).__name__}: {e}"[:2000]}
 
 
 def importable(module: str) -> bool:
@@ -106,109 +205,120 @@ def importable(module: str) -> bool:
         return False
 
 
-def install_wheels(folder: Path, site: Path) -> Path | None:
-    wheels = sorted(str(w) for w in folder.glob("*.whl"))
+def install_wheels(folder: Path, site: Path) -> dict | None:
+    """Install each wheel on its own (a wheel that will not install costs itself only; the
+    check of the needed modules says if it mattered). None if there is none."""
+    wheels = sorted(folder.glob("*.whl"))
     if not wheels:
         print(f"gpu-check: no wheels in {folder}", file=sys.stderr)
         return None
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
-                        *wheels], capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"gpu-check: installing the wheels of {folder} failed:\n{r.stderr[-2000:]}",
-              file=sys.stderr)
-        return None
-    print(f"gpu-check: installed {len(wheels)} wheels into {site}", flush=True)
-    return site
+    done = {}
+    for w in wheels:
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                            "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+                            "--target", str(site), str(w)], capture_output=True, text=True)
+        done[w.name] = "installed" if r.returncode == 0 else f"failed: {r.stderr[-500:]}"
+        if r.returncode:
+            print(f"gpu-check: installing {w.name} failed:\n{r.stderr[-1000:]}",
+                  file=sys.stderr)
+    print(f"gpu-check: installed {sum(v == 'installed' for v in done.values())} of "
+          f"{len(wheels)} wheels into {site}", flush=True)
+    return done
 
 
-def run_bounded(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, bool]:
-    """Run ``cmd`` (output to ``log``) for at most ``timeout`` seconds; past it, its process
-    group gets SIGINT (pytest's fixtures and l2l-launch stop their processes on it), then
-    SIGKILL 30 s later. Returns (exit code, timed out)."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            return proc.wait(timeout=max(timeout, 10)), False
-        except subprocess.TimeoutExpired:
-            for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            return proc.wait(), True
-
-
-def run_tests(out: Path, env: dict, timeout: float) -> dict:
-    xml = out / "cuda-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
+def run_tests(c: Check, env: dict, timeout: float, tiny: bool) -> dict:
+    """pytest -m cuda, in 4 processes where pytest-xdist is at hand (each test starts its own
+    EPS and workers; several share the GPU)."""
+    xml = c.work / "cuda-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rs", "-p", "no:cacheprovider",
            f"--junitxml={xml}", str(ROOT / "tests" / "test_cuda.py")]
+    if importable("xdist") and (os.cpu_count() or 1) >= 8 and not tiny:
+        cmd[3:3] = ["-n", "4"]
     t = time.monotonic()
-    _, timed_out = run_bounded(cmd, env, timeout, out / "cuda-tests.log")
-    result = {"seconds": round(time.monotonic() - t, 1), "timed_out": timed_out,
+    code, timed_out, tail = c.run("cuda-tests", cmd, dict(env, OMP_NUM_THREADS="1"), timeout)
+    result = {"seconds": round(time.monotonic() - t, 1), "exit": code, "timed_out": timed_out,
               "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "cases": []}
-    if xml.exists():
-        for case in ET.parse(xml).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for tag in ("failure", "error", "skipped"):
-                el = case.find(tag)
-                if el is not None:
-                    outcome = {"failure": "failed", "error": "errors"}.get(tag, tag)
-                    message = (el.get("message") or "")[:300]
-            result[outcome] += 1
-            result["cases"].append({"name": case.get("name"), "outcome": outcome,
-                                    "seconds": float(case.get("time") or 0),
-                                    "message": message})
+    cases = junit_cases(xml) if xml.exists() else verbose_cases(tail)
+    for case in cases:
+        result[case["outcome"]] += 1
+    result["cases"] = cases
+    if timed_out:
+        result["stopped"] = f"stopped after {timeout:.0f} s; tests not listed did not run"
+    elif code not in (0, 1) or not xml.exists():  # crashed, interrupted, or collected nothing
+        result["broken"] = f"pytest exit {code}{'' if xml.exists() else ', no report'}: " + \
+            tail[-1500:]
     print(f"gpu-check: tests {result['passed']} passed, {result['failed']} failed, "
           f"{result['errors']} errors, {result['skipped']} skipped in {result['seconds']} s"
-          + (" (timed out)" if timed_out else ""), flush=True)
+          + (" (stopped)" if timed_out else "") + (" (BROKEN)" if "broken" in result else ""),
+          flush=True)
     return result
 
 
-def run_benchmarks(out: Path, env: dict, left, full: bool) -> dict:
-    results = {}
-    for name, piece, quick, whole, need in PIECES:
-        if left() < need:
-            results[name] = {"not_run": f"time budget ({left():.0f} s left, needs ~{need})"}
-            continue
-        path = out / f"bench-{name}.json"
-        cmd = [sys.executable, "-m", "bench", "gpu", "--only", piece, "--json", str(path),
-               *(whole if full else quick)]
-        t = time.monotonic()
-        log = out / f"bench-{name}.log"
-        code, timed_out = run_bounded(cmd, env, left() - 5, log)
-        if timed_out:
-            data = {"error": "stopped at the end of the time budget"}
-        elif path.exists():
-            data = json.loads(path.read_text())["pieces"][piece]
-        else:
-            data = {"error": f"exit {code}: {log.read_text()[-500:]}"}
-        data["wall_seconds"] = round(time.monotonic() - t, 1)
-        results[name] = data
-        print(f"gpu-check: {name} done in {data['wall_seconds']} s"
-              + (f" ({data['error'][:200]})" if "error" in data else ""), flush=True)
-    return results
+def junit_cases(xml: Path) -> list[dict]:
+    cases = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "errors"}.get(tag, tag)
+                message = (el.get("message") or "")[:300]
+        cases.append({"name": case.get("name"), "outcome": outcome,
+                      "seconds": float(case.get("time") or 0), "message": message})
+    return cases
+
+
+def verbose_cases(log: str) -> list[dict]:
+    """Outcomes from ``pytest -v`` lines, when pytest left no report (killed)."""
+    outcomes = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
+    found = {}
+    for m in re.finditer(r"test_cuda\.py::(\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)|"
+                         r"(PASSED|FAILED|ERROR|SKIPPED)\s+\S*test_cuda\.py::(\S+)", log):
+        name, word = (m[1], m[2]) if m[1] else (m[4], m[3])
+        found[name] = outcomes[word]
+    return [{"name": n, "outcome": o, "seconds": 0.0, "message": "(from the log)"}
+            for n, o in found.items()]
+
+
+def run_piece(c: Check, env: dict, name: str, piece: str, opts: list[str],
+              timeout: float) -> dict:
+    path = c.work / f"bench-{name}.json"
+    cmd = [sys.executable, "-m", "bench", "gpu", "--only", piece, "--json", str(path), *opts]
+    t = time.monotonic()
+    code, timed_out, tail = c.run(f"bench-{name}", cmd, env, timeout)
+    if path.exists():  # also when stopped: the piece keeps the rows it measured
+        data = json.loads(path.read_text())["pieces"][piece]
+    elif timed_out:
+        data = {"stopped": "stopped at the end of its time share, nothing written"}
+    else:
+        data = {"error": f"exit {code}: {tail[-1500:]}"}
+    data["wall_seconds"] = round(time.monotonic() - t, 1)
+    note = data.get("error") or data.get("stopped") or ""
+    print(f"gpu-check: {name} done in {data['wall_seconds']} s"
+          + (f" ({note[:200]})" if note else ""), flush=True)
+    return data
 
 
 def markdown(report: dict) -> str:
     t = report["tests"]
     lines = [f"# GPU check: {report['device']}, torch {report['torch']} (CUDA "
-             f"{report['cuda']}), {report['seconds']} s", "",
-             f"**CUDA tests**: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
-             f"{t.get('errors', 0)} errors, {t.get('skipped', 0)} skipped"
-             + (" (timed out)" if t.get("timed_out") else ""), ""]
+             f"{report['cuda']}), {report['seconds']} s", ""]
+    if "not_run" in t or "error" in t:
+        lines += [f"**CUDA tests**: {t.get('not_run') or 'ERROR: ' + t['error']}", ""]
+    else:
+        lines += [f"**CUDA tests**: {t['passed']} passed, {t['failed']} failed, "
+                  f"{t['errors']} errors, {t['skipped']} skipped in {t['seconds']} s"
+                  + (f" ({t['stopped']})" if "stopped" in t else ""), ""]
+        if "broken" in t:
+            lines += ["BROKEN: ```" + t["broken"][-600:] + "```", ""]
     lines += [f"- {c['outcome'].upper()} `{c['name']}`: {c['message']}"
               for c in t.get("cases", []) if c["outcome"] != "passed"]
     lines += ["", "| benchmark | target | value | result |", "| --- | --- | --- | --- |"]
     for name, b in report["benchmarks"].items():
-        if "not_run" in b or "error" in b:
-            lines.append(f"| {name} | | | {b.get('not_run') or 'ERROR: ' + b['error'][:150]} |")
+        for key, word in (("not_run", "not run: "), ("stopped", "STOPPED: "),
+                          ("error", "ERROR: "), ("skipped", "skipped: ")):
+            if key in b:
+                lines.append(f"| {name} | | | {word}{b[key][-150:]} |".replace("\n", " "))
         for tg in b.get("targets", []):
             lines.append(f"| {name} | {tg['name']} {tg['target']} | {tg['value']} | "
                          f"{'pass' if tg['ok'] else 'MISS'} |")

@@ -13,6 +13,7 @@ without offload on gloo, which checks the harness; DeepSpeed needs CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 
@@ -24,6 +25,18 @@ from worker.data import Sharder, build_task
 from worker.models import build_model
 
 from .common import timed_steps
+
+
+def missing(name: str) -> str:
+    """Why peer ``name`` cannot run here ("" if it can), without importing it."""
+    if name not in PEERS:
+        return f"unknown peer (peers: {', '.join(PEERS)})"
+    module = {"fsdp2": "torch.distributed.fsdp", "deepspeed": "deepspeed"}[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    return "" if found else f"{module} is not installed"
 
 
 def _port() -> int:
@@ -42,12 +55,21 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
           device: str, precision: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
+
+    try:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+    except ImportError:  # torch < 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"

@@ -6,13 +6,16 @@ rare GPU session)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench.gpu_parts import depth_flat, trace_split
+from protocol.shm import list_regions, unlink_prefix
 
 from .helpers import ENV, ROOT
 
@@ -65,19 +68,6 @@ def test_trace_split_counts_nested_spans_once(tmp_path):
     assert depth_flat({24: 100, 384: 104, 48: 101}) == pytest.approx(1.04)
 
 
-def _tiny(tmp_path, only: str, *extra: str) -> dict:
-    out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "gpu", "--tiny", "--device", "cpu",
-                        "--only", only, "--steps", "1", "--warmup", "1", "--json", str(out),
-                        *extra], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=600)
-    assert out.exists(), r.stdout + r.stderr
-    pieces = json.loads(out.read_text())["pieces"]
-    for name, piece in pieces.items():
-        assert "error" not in piece, (name, piece["error"])
-    return pieces
-
-
 def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
     """The resident baseline's batch search and FSDP2 in one process (the peers' runner) work
     with a tiny model; the jobs of every piece run in the slow test below."""
@@ -97,17 +87,102 @@ def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
                            device="cpu", precision="fp32")
 
 
+def test_a_piece_stopped_by_the_budget_keeps_its_rows_and_leaves_nothing_behind(tmp_path):
+    """The budget's SIGINT reaches the piece and its L2L job: the piece writes what it measured
+    (rows of the paper table) and the job's processes and shared memory are gone."""
+    from bench.gpucheck import Check, run_piece
+
+    before = set(list_regions("l2l-"))
+    check = Check(tmp_path, tmp_path, {})
+    env = dict(ENV, PYTHONPATH=str(ROOT))
+    data = run_piece(check, env, "paper", "paper", ["--tiny", "--device", "cpu", "--steps", "1",
+                                                    "--warmup", "1"], timeout=10)
+    assert "stopped" in data and "error" not in data, data
+    # the resident rows come within seconds; the 8 L2L jobs (u = 1, 2, 4, 8) take far longer
+    assert "STOPPED" in data["table"] and 1 <= len(data["rows"]) < 10, data
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "bench-paper: exit" in log and "(stopped: time budget)" in log
+    # (l2l-t...: the test clusters of a run beside this one, if any; l2l-launch's ids are hex)
+    assert {r for r in set(list_regions("l2l-")) - before if not r.startswith("l2l-t")} == set()
+    assert not _l2l_processes(), _l2l_processes()
+
+
+def _l2l_processes() -> list[str]:
+    found = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "l2l-bench-" in cmd:
+            found.append(cmd)
+    return found
+
+
 @pytest.mark.slow
-def test_gpu_benchmark_harness_all_pieces_on_cpu(tmp_path):
-    """Every piece with tiny models: the paper table (resident batch search, L2L jobs per
-    precision and u), memory by depth, the overhead against the local loop, MFU (a traced
-    job) and the peers (an L2L job beside FSDP2)."""
-    pieces = _tiny(tmp_path, "transfer,overhead,paper,depth,mfu,peers", "--u", "1,2")
-    assert pieces["peers"]["systems"]["fsdp2"]["samples_per_sec"] > 0
-    assert "needs CUDA" in pieces["peers"]["systems"]["deepspeed"]["error"]
+def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
+    """`--tiny`: every part with tiny models on the CPU, as on a GPU machine: the CUDA tests
+    (all skip here), then every benchmark piece (the paper table's resident batch search and
+    L2L jobs, memory by depth, the overhead against the local loop, MFU from a traced job,
+    FSDP2 beside an L2L job; DeepSpeed is not installed). OUT gets three files."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bench.gpucheck", "--tiny", "--out", str(out),
+                        "--budget", "900"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.log",
+                                                     "gpu-check.md"]
+    report = json.loads((out / "gpu-check.json").read_text())
+    tests, pieces = report["tests"], report["benchmarks"]
+    assert tests["skipped"] >= 10 and tests["passed"] == tests["failed"] == 0, tests
+    for name, piece in pieces.items():
+        assert "error" not in piece and "stopped" not in piece and "not_run" not in piece, \
+            (name, piece)
+    assert pieces["fsdp2"]["systems"]["fsdp2"]["samples_per_sec"] > 0
+    assert "not installed" in pieces["deepspeed"]["skipped"]
     assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
-    assert rows["resident"]["fp32"]["batch"] >= 1 and rows["l2l"]["bf16_u2"]["batch"] >= 1
+    assert rows["resident"]["fp32"]["batch"] >= 1 and rows["l2l"]["bf16_u4"]["batch"] >= 1
     assert set(pieces["depth"]["peak_bytes"]) == {"2", "4", "8"}
     assert pieces["overhead"]["step_seconds"]["l2lp"] > 0
+    md = (out / "gpu-check.md").read_text()
+    assert "## paper" in md and "CMP bf16" in md
+
+
+LEAKY = '''
+import time
+from protocol.shm import Region
+
+def test_holds_a_region_while_the_other_process_ends():
+    r = Region.create("l2l-xdisttest-{pid}-held", 64)
+    time.sleep(3)
+    r.unlink()
+    r.close()
+
+def test_ends_early():
+    {leak}
+'''
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_under_xdist_the_whole_run_is_checked_for_leaked_shared_memory(tmp_path, leak):
+    """With pytest-xdist (the GPU check runs the CUDA tests in 4 processes) a process cannot
+    tell another's live regions from its own leaks: the controller checks the whole run, so a
+    region held by one process while another ends is no leak, and one never unlinked is."""
+    pytest.importorskip("xdist")
+    name = f"l2l-xdisttest-{os.getpid()}"
+    (tmp_path / "test_leaky.py").write_text(LEAKY.format(
+        pid=os.getpid(), leak=f'Region.create("{name}-leaked", 64)' if leak else "pass"))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",
+                            "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                            str(tmp_path / "test_leaky.py")], cwd=tmp_path,
+                           env=dict(ENV, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                           timeout=120)
+        assert "2 passed" in r.stdout, r.stdout + r.stderr
+        assert (r.returncode != 0) is leak, r.stdout + r.stderr
+        assert ("shared memory leaked by the tests" in r.stdout) is leak, r.stdout
+        assert (f"{name}-leaked" in r.stdout) is leak
+    finally:
+        unlink_prefix(name)

@@ -31,7 +31,7 @@ def test_a_running_job_is_scraped(cluster):
     assert bad.poll(10_000) and bad.recv_multipart()
     bad.close(0)
     assert scrape(port)[("l2l_eps_errors_total", (("code", "bad_message"),))] == 1
-    workers = [cluster.worker(r, 2, *SMALL, "--steps", "300") for r in range(2)]
+    workers = [cluster.worker(r, 2, *SMALL, "--steps", "80") for r in range(2)]
     seen = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and all(w.poll() is None for w in workers):
