@@ -167,8 +167,8 @@ class EpsCore:
         return lost
 
     def _expire(self) -> None:
-        for peer in self.peers.expire():
-            self._gone(peer, f"nothing heard for {self.cfg.heartbeat_timeout:g} s")
+        for peer, why in self.peers.expire():
+            self._gone(peer, why)
 
     def _gone(self, peer: Peer, why: str) -> None:
         if peer.worker:
@@ -213,7 +213,7 @@ class EpsCore:
                                    self.cfg.grad_slots, fresh=rejoined)
         outs = []
         replaced = self.peers.register(Peer(identity, rank, transport, grad_dtype, msg.pid,
-                                            key, host=msg.host))
+                                            key, host=msg.host, process=msg.process))
         if replaced is not None:
             outs += self.data.fail_waiters(replaced.identity, "bad_request",
                                            f"rank {rank} was replaced")

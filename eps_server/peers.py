@@ -4,8 +4,10 @@ heard from, and the checks every Hello passes.
 A rank is held by one connection. A Hello for a rank another connection holds is refused
 ("rank_taken") while that one is alive, i.e. was heard from within the heartbeat timeout;
 once it is silent for longer it is declared dead (``expire``) and the rank is free for a
-replacement. A Hello may ask for any rank (ANY_RANK): it gets the lowest free one.
-Observers (control clients) hold no rank and evict nobody.
+replacement. A holder whose process is seen to have exited (same machine and PID namespace as
+the EPS: ``lifecycle.process_gone``) is declared dead at once. A Hello may ask for any rank
+(ANY_RANK): it gets the lowest free one. Observers (control clients) hold no rank and evict
+nobody.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from protocol.lifecycle import process_gone
 from protocol.messages import PROTOCOL_VERSION, Hello, WorkerReport
 from protocol.tensors import manifest_difference
 
@@ -36,6 +39,7 @@ class Peer:
     last_seen: float = 0.0
     host: str = ""
     report: WorkerReport | None = None  # a worker's latest (its heartbeats)
+    process: str = ""  # its Hello's process identity (lifecycle.process_identity)
 
     @property
     def worker(self) -> bool:
@@ -98,11 +102,17 @@ class Peers:
                                f"been silent for {self.timeout:g} s")
         return free
 
-    def expire(self) -> list[Peer]:
-        """Remove and return the peers silent for longer than the timeout (declared dead)."""
+    def expire(self) -> list[tuple[Peer, str]]:
+        """Remove and return the peers declared dead, each with why: silent for longer than the
+        timeout, or (workers) their process has exited."""
         now = self.clock()
-        dead = [p for p in self._by_identity.values() if now - p.last_seen > self.timeout]
-        for p in dead:
+        dead = []
+        for p in list(self._by_identity.values()):
+            if now - p.last_seen > self.timeout:
+                dead.append((p, f"nothing heard for {self.timeout:g} s"))
+            elif p.worker and p.process and process_gone(p.process):
+                dead.append((p, f"its process (pid {p.pid}) has exited"))
+        for p, _ in dead:
             del self._by_identity[p.identity]
         return dead
 

@@ -1,8 +1,9 @@
-"""Process lifecycle contract between l2l-launch and its children.
+"""Process lifecycle: the contract between l2l-launch and its children, and how an EPS tells
+that a worker's process has exited.
 
 A launcher sets ``L2L_PARENT_PID`` in a child's environment; the child calls
 ``die_with_parent()`` at start-up, so it is sent SIGTERM (and cleans up) if the launcher dies,
-even by SIGKILL. Linux only (prctl); elsewhere it does nothing.
+even by SIGKILL. Linux only (prctl, /proc); elsewhere it does nothing.
 """
 
 from __future__ import annotations
@@ -27,3 +28,55 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+# -- process identity ------------------------------------------------------------------------
+# A worker names its process in its Hello so that an EPS on the same machine and in the same
+# PID namespace can tell at once that the process holding a rank has exited (and free the
+# rank for a replacement) instead of waiting out the heartbeat timeout. Elsewhere (another
+# host or container) nothing can be told from it, and the timeout decides as before.
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int | str) -> str:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot), "" if the process is
+    gone; "zombie" if it has exited but is not reaped yet."""
+    stat = _read(f"/proc/{pid}/stat")
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    if len(fields) < 20:
+        return ""
+    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+
+
+def _machine() -> str:
+    """This boot of this machine and this PID namespace: pids mean the same only within both."""
+    boot = _read("/proc/sys/kernel/random/boot_id").strip()
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}:{ns}" if boot else ""
+
+
+def process_identity() -> str:
+    """``boot id:pid namespace:pid:start time`` of this process ("" where /proc cannot say)."""
+    machine, start = _machine(), _start_time("self")
+    return f"{machine}:{os.getpid()}:{start}" if machine and start else ""
+
+
+def process_gone(identity: str) -> bool:
+    """True only if ``identity`` (a ``process_identity``) names a process of this machine and
+    PID namespace that has exited (or whose pid now belongs to another process); False when it
+    is alive or nothing can be told (another machine or container, no /proc, malformed)."""
+    parts = identity.rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[0] or parts[0] != _machine():
+        return False
+    start = _start_time(int(parts[1]))
+    return start != parts[2]

@@ -19,7 +19,8 @@ from .tensors import DTYPES, Manifest
 # 3: Heartbeat, Hello.role (observers), Welcome.pushed/retained/heartbeat_interval/rejoined,
 #    retained versions (recovery), "rank_taken"
 # 4: any rank (Hello.rank ANY_RANK, Welcome.rank), worker reports (Heartbeat, WorkerInfo)
-PROTOCOL_VERSION = 4
+# 5: Hello.process (a holder whose process has exited frees its rank at once)
+PROTOCOL_VERSION = 5
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank
@@ -130,6 +131,7 @@ class Hello(Message):
     pid: int = 0
     host: str = ""
     role: str = "worker"
+    process: str = ""  # lifecycle.process_identity(): "" if it cannot be told
 
     def check(self) -> None:
         _require(self.role in ROLES, "role", f"must be one of {ROLES}")
@@ -141,6 +143,7 @@ class Hello(Message):
                  f"must be one of {sorted(DTYPES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
         _require(len(self.host) <= 255, "host", "too long")
+        _require(len(self.process) <= 200, "process", "too long")
 
 
 @message(2, body=REPLY_BODY)

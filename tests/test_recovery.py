@@ -49,6 +49,7 @@ def recovered(tmp_path, fault: str, *extra: str) -> tuple[dict, bytes]:
     assert p.returncode == 0, p.stderr
     assert_nothing_left(endpoint, s["run_id"])
     [restart] = s["restarts"]
+    restart["run_id"] = s["run_id"]
     print(f"{fault}: {restart}")  # the detection and rejoin times (pytest -s shows them)
     return restart, (tmp_path / "m.st").read_bytes()
 
@@ -64,6 +65,10 @@ def test_a_killed_worker_is_replaced_and_the_run_is_exact(tmp_path, reference, f
     restart, weights = recovered(tmp_path, fault, "--update", update)
     rank, step, point = fault.split(":")
     assert restart["rank"] == int(rank) and restart["cause"] == "exited with status -9"
+    # The EPS saw the process gone (same host): the replacement did not wait out the timeout.
+    eps_log = (tmp_path / "runs" / restart["run_id"] / "eps.log").read_text()
+    assert f"rank {rank} (pid " in eps_log and "declared dead: its process" in eps_log, eps_log
+    assert "nothing heard" not in eps_log, eps_log
     # Layers whose push had reached the EPS when it died: pushes leave from the I/O thread, so
     # at B1 layers 3 and 2 may or may not be out (tests/test_recovery_core.py pins each case).
     pushed = {"B1": (0, 1, 2), "F2": (0,), "H3": (0,), "E": (0,)}[point]
@@ -116,6 +121,7 @@ def test_a_killed_eps_restarts_the_job_from_its_last_checkpoint(tmp_path, refere
     assert p.returncode == 0, err
     s = json.loads(summary.read_text())
     [restart] = s["restarts"]
+    restart["run_id"] = s["run_id"]
     print(restart)
     assert restart["rank"] is None and "eps-server exited with status -9" in restart["cause"]
     assert restart["checkpoint_step"] in range(2, steps, 2)

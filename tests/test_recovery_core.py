@@ -10,12 +10,16 @@ interleaving, and whether the dead process comes back to life and tries to push.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig
+from protocol.lifecycle import process_gone, process_identity
 from protocol.messages import (
     ANY_RANK,
     Ack,
@@ -32,6 +36,7 @@ from protocol.messages import (
     WorkerReport,
 )
 
+from .helpers import ENV
 from .test_core import MANIFEST, PROTOCOL_VERSION, SGD, Harness, L, error, grad_of, value
 
 STEPS = 3
@@ -352,3 +357,37 @@ def test_reports_out_of_range_are_refused():
                        ("samples_per_sec", float("inf")), ("memory", -1)):
         with pytest.raises(ValueError):
             WorkerReport(**{**ok, field: bad})
+
+
+def test_a_holder_whose_process_has_exited_is_replaced_at_once(make, caplog):
+    """``Hello.process`` names the worker's process (a real one here): while it lives its rank
+    is kept (a replacement gets rank_taken); once it has exited, a replacement takes the rank
+    at once, long before the heartbeat timeout, and the dead holder is reported lost. A name
+    from another machine or PID namespace is never judged from /proc."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from protocol.lifecycle import "
+                              "process_identity; print(process_identity(), flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        process = child.stdout.readline().strip()
+        assert process.count(":") == 3 and not process_gone(process)
+        h = make(2, heartbeat_timeout=TIMEOUT)
+        assert isinstance(h.hello(0), Welcome)
+        assert isinstance(h.hello(1, process=process, pid=child.pid), Welcome)
+        replacement = dict(rank=1, peer=b"replacement", process=process_identity())
+        taken = h.hello(req_id=2, **replacement)
+        assert isinstance(taken, Error) and taken.code == "rank_taken", taken  # alive
+        assert h.core.expire() == []
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert process_gone(process)
+    with caplog.at_level("WARNING", logger="eps_server"):
+        welcome = h.hello(req_id=3, **replacement)  # no time has passed: h.now is unchanged
+    assert isinstance(welcome, Welcome) and welcome.rank == 1, welcome
+    assert f"rank 1 (pid {child.pid}) declared dead: its process" in caplog.text
+    assert [p.rank for p in h.core.expire()] == [1]  # the launcher hears of it
+    machine, pid, start = process.rsplit(":", 2)
+    assert not process_gone(f"another-boot:{machine.split(':')[1]}:{pid}:{start}")
+    assert not process_gone(f"{machine.split(':')[0]}:1:{pid}:{start}")  # another namespace
+    assert not process_gone("") and not process_gone("not an identity")

@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 from protocol import codec
 from protocol.curve import HANDSHAKE_FAILED, ClientKeys, handshake_failure
 from protocol.endpoints import check_connect
+from protocol.lifecycle import process_identity
 from protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -137,7 +138,8 @@ class EpsClient:
         fut = self.request(Hello, protocol_version=protocol_version, rank=rank,
                            world_size=world_size, manifest_hash=manifest.hash(),
                            manifest=manifest if send_manifest else None, transport=transport,
-                           grad_dtype=grad_dtype, pid=os.getpid(), host=socket.gethostname())
+                           grad_dtype=grad_dtype, pid=os.getpid(), host=socket.gethostname(),
+                           process=process_identity())
         return self.wait(fut, timeout)[0]
 
     def observe(self, timeout: float | None = None) -> None:
