@@ -195,7 +195,7 @@ class EpsCore:
         self._expire()  # a holder silent past the timeout is gone now, not at the next tick
         # Before any registration: a failure here changes nothing.
         rank = self.peers.free_rank(identity) if msg.rank == ANY_RANK else msg.rank
-        self.peers.check_free(rank, identity, key)
+        self.peers.check_free(rank, identity, key, msg.process)
         rejoined = rank in self.peers.ever
         step, pushed = self.data.resume_point(rank)
         if self.store.retained_region is None and (pushed or max(self.store.versions) > step):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.lifecycle import process_gone
+from protocol.lifecycle import process_alive, process_gone
 from protocol.messages import PROTOCOL_VERSION, Hello, WorkerReport
 from protocol.tensors import manifest_difference
 
@@ -116,14 +116,21 @@ class Peers:
             del self._by_identity[p.identity]
         return dead
 
-    def check_free(self, rank: int, identity: bytes, key: bytes) -> Peer | None:
+    def check_free(self, rank: int, identity: bytes, key: bytes,
+                   process: str = "") -> Peer | None:
         """Refuse a Hello for ``rank`` while a live connection holds it, unless the Hello comes
         over that same connection or with the same CURVE key (a worker that reconnected: the
-        returned holder is replaced). Silent holders are gone already (``expire``)."""
+        returned holder is replaced) from the same process or while the holder's process is not
+        seen alive (a launcher may give several workers one key). Silent holders and exited
+        processes are gone already (``expire``)."""
         old = self.holder(rank)
         if old is None or old.identity == identity:
             return None
         if key and key == old.key:
+            if process != old.process and process_alive(old.process):
+                raise RequestError("rank_taken", f"rank {rank} is held by another live process "
+                                   f"(pid {old.pid}) with this key; it is replaced once it "
+                                   f"has exited or been silent for {self.timeout:g} s")
             return old
         raise RequestError("rank_taken", f"rank {rank} is held by a live connection (pid "
                            f"{old.pid}); a replacement is accepted once it has been silent "
@@ -131,7 +138,8 @@ class Peers:
 
     def register(self, peer: Peer) -> Peer | None:
         """Register ``peer`` (see ``check_free``); returns the connection it replaced."""
-        old = self.check_free(peer.rank, peer.identity, peer.key) if peer.worker else None
+        old = (self.check_free(peer.rank, peer.identity, peer.key, peer.process)
+               if peer.worker else None)
         if old is not None:
             log.warning("rank %d reconnected with its key (pid %d replaces pid %d)", peer.rank,
                         peer.pid, old.pid)

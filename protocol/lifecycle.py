@@ -71,12 +71,17 @@ def process_identity() -> str:
     return f"{machine}:{os.getpid()}:{start}" if machine and start else ""
 
 
-def process_gone(identity: str) -> bool:
-    """True only if ``identity`` (a ``process_identity``) names a process of this machine and
-    PID namespace that has exited (or whose pid now belongs to another process); False when it
-    is alive or nothing can be told (another machine or container, no /proc, malformed)."""
+def process_alive(identity: str) -> bool | None:
+    """Whether the process ``identity`` (a ``process_identity``) names is alive: None when that
+    cannot be told (another machine or PID namespace, no /proc, malformed); False once it has
+    exited or its pid belongs to another process now."""
     parts = identity.rsplit(":", 2)
     if len(parts) != 3 or not parts[1].isdigit() or not parts[0] or parts[0] != _machine():
-        return False
-    start = _start_time(int(parts[1]))
-    return start != parts[2]
+        return None
+    return _start_time(int(parts[1])) == parts[2]
+
+
+def process_gone(identity: str) -> bool:
+    """True only if ``identity`` names a process of this machine and PID namespace that has
+    exited; False when it is alive or nothing can be told."""
+    return process_alive(identity) is False

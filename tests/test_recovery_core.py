@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig
+from eps_server.errors import RequestError
+from eps_server.peers import Peer, Peers
 from protocol.lifecycle import process_gone, process_identity
 from protocol.messages import (
     ANY_RANK,
@@ -359,17 +361,22 @@ def test_reports_out_of_range_are_refused():
             WorkerReport(**{**ok, field: bad})
 
 
+def live_process() -> tuple[subprocess.Popen, str]:
+    """A real process (it exits when its stdin is closed) and its process identity."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from protocol.lifecycle import "
+                              "process_identity; print(process_identity(), flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=ENV)
+    return child, child.stdout.readline().strip()
+
+
 def test_a_holder_whose_process_has_exited_is_replaced_at_once(make, caplog):
     """``Hello.process`` names the worker's process (a real one here): while it lives its rank
     is kept (a replacement gets rank_taken); once it has exited, a replacement takes the rank
     at once, long before the heartbeat timeout, and the dead holder is reported lost. A name
     from another machine or PID namespace is never judged from /proc."""
-    child = subprocess.Popen([sys.executable, "-c", "import sys; from protocol.lifecycle import "
-                              "process_identity; print(process_identity(), flush=True); "
-                              "sys.stdin.read()"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=ENV)
+    child, process = live_process()
     try:
-        process = child.stdout.readline().strip()
         assert process.count(":") == 3 and not process_gone(process)
         h = make(2, heartbeat_timeout=TIMEOUT)
         assert isinstance(h.hello(0), Welcome)
@@ -391,3 +398,25 @@ def test_a_holder_whose_process_has_exited_is_replaced_at_once(make, caplog):
     assert not process_gone(f"another-boot:{machine.split(':')[1]}:{pid}:{start}")
     assert not process_gone(f"{machine.split(':')[0]}:1:{pid}:{start}")  # another namespace
     assert not process_gone("") and not process_gone("not an identity")
+
+
+def test_one_key_for_several_ranks_cannot_displace_a_live_process():
+    """With CURVE, a Hello with the holder's key replaces the holder (its worker reconnecting)
+    only from the holder's own process, or when the holder's process is not seen alive; a
+    launcher that gives every worker one key no longer lets one live rank take another's."""
+    child, process = live_process()
+    peers = Peers(world_size=2, timeout=TIMEOUT)
+    holder = Peer(b"holder", 0, None, "float32", child.pid, b"key", process=process)
+    try:
+        peers.register(holder)
+        with pytest.raises(RequestError, match="another live process"):
+            peers.check_free(0, b"other", b"key", process_identity())
+        assert peers.check_free(0, b"new-socket", b"key", process) is holder  # reconnected
+        with pytest.raises(RequestError, match="held by a live connection"):
+            peers.check_free(0, b"other", b"another key", process)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert peers.check_free(0, b"other", b"key", process_identity()) is holder  # it exited
+    holder.process = ""  # a holder that cannot be seen: the key decides, as before
+    assert peers.check_free(0, b"other", b"key", process_identity()) is holder
