@@ -154,19 +154,27 @@ def test_layer_drop_through_the_eps(cluster, tmp_path, update):
 
 def test_replicas_asking_for_any_rank_train_the_same_model(cluster, tmp_path):
     """Two identical workers (--rank -1, as containers of one service are) are given ranks 0
-    and 1 by the EPS and end where plain training does; each writes its own summary."""
+    and 1 by the EPS and end where plain training does; each writes its own summary, trace and
+    events ({rank} in the paths) and names its rank in its log lines once it has one."""
     out = tmp_path / "model.safetensors"
     cluster.start_server(2, "--lr", "1e-3")
     argv = [sys.executable, "-m", "worker", "--endpoint", cluster.endpoint, "--rank", "-1",
             "--world-size", "2", *SMALL, "--model", "bert", "--steps", str(STEPS),
             "--micro-batches", "2", "--save", str(out),
-            "--summary-json", str(tmp_path / "worker-{rank}.json")]
+            "--summary-json", str(tmp_path / "worker-{rank}.json"),
+            "--trace", str(tmp_path / "trace-{rank}.json"),
+            "--events", str(tmp_path / "events-{rank}.jsonl")]
     replicas = [cluster.spawn(argv, f"replica{i}") for i in range(2)]
     for w in replicas:
         assert cluster.wait(w) == 0, cluster.log(w)
     assert cluster.wait(cluster.server, 60) == 0, cluster.log(cluster.server)
     summaries = [json.loads((tmp_path / f"worker-{r}.json").read_text()) for r in (0, 1)]
     assert sorted(s["pid"] for s in summaries) == sorted(w.pid for w in replicas)
+    for s, w in ((s, w) for s in summaries for w in replicas if w.pid == s["pid"]):
+        rank = s["rank"]
+        assert f"l2l-worker[{rank}] INFO rank {rank}: joined" in cluster.log(w)
+        assert json.loads((tmp_path / f"trace-{rank}.json").read_text())["traceEvents"]
+        assert f'"rank": {rank}' in (tmp_path / f"events-{rank}.jsonl").read_text()
     want = train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS,
                           global_micro_batches=4, batch_size=4, lr=1e-3)
     assert_close(load_file(str(out)), want)

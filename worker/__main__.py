@@ -16,7 +16,7 @@ from protocol.lifecycle import die_with_parent
 
 from .config import WorkerArgs
 from .eps_client import EpsDisconnected, EpsError
-from .job import run_worker
+from .job import LOG_RANK, run_worker
 
 
 def parse(argv: list[str] | None = None) -> WorkerArgs:
@@ -33,9 +33,12 @@ def run(args: WorkerArgs) -> int:
     """Train this worker's share of the job; the exit status."""
     # SIGTERM unwinds like an exception, so the worker says Bye and closes its sockets.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    rank = args.worker.rank if args.worker.rank >= 0 else "?"  # -1: assigned at the join
+    if args.worker.rank >= 0:  # -1: the rank is assigned at the join
+        LOG_RANK.rank = str(args.worker.rank)
     logging.basicConfig(level=args.worker.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s l2l-worker[{rank}] %(levelname)s %(message)s")
+                        format="%(asctime)s l2l-worker[%(rank)s] %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(LOG_RANK)
     try:
         run_worker(args)
     except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:

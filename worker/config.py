@@ -169,10 +169,11 @@ class WorkerConfig:
     """Write this worker's summary (losses, throughput, peak memory) here; {rank} in it is
     replaced by the rank (useful with --rank -1)."""
     trace: str = ""
-    """Write a Chrome/Perfetto trace of this worker here."""
+    """Write a Chrome/Perfetto trace of this worker here; {rank} in it is replaced by the
+    rank."""
     events: str = ""
-    """Write typed events (one per step) as JSON lines here: a file path, or fd:N for a pipe
-    inherited from l2l-launch."""
+    """Write typed events (one per step) as JSON lines here: a file path ({rank} in it is
+    replaced by the rank), or fd:N for a pipe inherited from l2l-launch."""
     log_level: str = "INFO"
     """Log level on stderr (DEBUG, INFO, WARNING, ERROR)."""
 

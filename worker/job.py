@@ -29,6 +29,25 @@ from .source import make_source
 
 log = logging.getLogger("l2l_worker")
 
+
+class RankLabel(logging.Filter):
+    """Puts the worker's rank into each log record (``%(rank)s``): "?" until a worker started
+    with --rank -1 is given one at the join."""
+
+    rank = "?"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+LOG_RANK = RankLabel()
+
+
+def per_rank(path: str, rank: int) -> str:
+    """``path`` with {rank} replaced by the rank (replicas started with --rank -1 share flags)."""
+    return path.replace("{rank}", str(rank))
+
 INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones are loaded
 
 
@@ -121,8 +140,7 @@ def run_worker(args: WorkerArgs) -> dict:
     manifest = model.manifest()
     layout = plan_layout(manifest)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
-    events = EventWriter(cfg.events)
-    source = welcome = tracer = memory = None
+    source = welcome = tracer = memory = events = None
     results: list[StepResult] = []
     evals: list[dict] = []
     done = False
@@ -137,12 +155,14 @@ def run_worker(args: WorkerArgs) -> dict:
             cfg = replace(cfg, rank=welcome.rank)
             if evalset is not None:
                 evalset = EvalSet(evalset.task, cfg.micro_batch_size, cfg.rank, cfg.world_size)
+        LOG_RANK.rank = str(cfg.rank)
+        events = EventWriter(per_rank(cfg.events, cfg.rank))
         device = worker_device(cfg.device, cfg.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             cap_device_memory(device, cfg.device_memory_gib)
         memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
-        tracer = Tracer(cfg.trace, f"l2l-worker {cfg.rank}")
+        tracer = Tracer(per_rank(cfg.trace, cfg.rank), f"l2l-worker {cfg.rank}")
         client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
         events.emit(Joined(rank=cfg.rank, pid=os.getpid(), step=welcome.step,
                            pushed=len(welcome.pushed), rejoined=welcome.rejoined))
@@ -221,7 +241,8 @@ def run_worker(args: WorkerArgs) -> dict:
             source.close()
         if tracer is not None:
             tracer.close()
-        events.close()
+        if events is not None:
+            events.close()
     samples = sum(r.samples for r in results)
     summary = {
         "rank": cfg.rank, "world_size": cfg.world_size, "device": str(device), "pid": os.getpid(),
@@ -237,6 +258,6 @@ def run_worker(args: WorkerArgs) -> dict:
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
     if cfg.summary_json:
-        with open(cfg.summary_json.replace("{rank}", str(cfg.rank)), "w") as f:
+        with open(per_rank(cfg.summary_json, cfg.rank), "w") as f:
             json.dump(summary, f, indent=1)
     return summary
