@@ -175,12 +175,14 @@ def from_dict(cls: type, data: dict, path: str = "", omit: tuple[str, ...] = ())
 
 def to_dict(cfg: Any, omit: tuple[str, ...] = ()) -> dict:
     """The config tree as nested maps of plain values (what ``from_dict`` reads back: fields
-    its ``omit`` metadata leaves out are left out)."""
+    its ``omit`` metadata leaves out are left out). A value the config filled in itself (in
+    its ``as_given`` map: {field: what was given}) is written as given, so it is derived again."""
     out = {}
+    given = getattr(cfg, "as_given", {})
     for f in dataclasses.fields(cfg):
         if f.name in omit or not f.init:
             continue
-        value = getattr(cfg, f.name)
+        value = given.get(f.name, getattr(cfg, f.name))
         out[f.name] = (to_dict(value, tuple(f.metadata.get("omit", ())))
                        if dataclasses.is_dataclass(value) else copy.deepcopy(value))
     return out

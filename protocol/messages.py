@@ -15,12 +15,7 @@ from typing import ClassVar
 
 from .tensors import DTYPES, Manifest
 
-# 2: TensorSpec.tie (tensors shared between layers), PushGrad.skip
-# 3: Heartbeat, Hello.role (observers), Welcome.pushed/retained/heartbeat_interval/rejoined,
-#    retained versions (recovery), "rank_taken"
-# 4: any rank (Hello.rank ANY_RANK, Welcome.rank), worker reports (Heartbeat, WorkerInfo)
-# 5: Hello.process (a holder whose process has exited frees its rank at once)
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 5  # what each version added: SPEC.md, "Versions"
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank

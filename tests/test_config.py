@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,14 @@ def test_typed_configs_round_trip(tmp_path):
                       data=DataConfig(task="markov"))
     cli.write_file(args, str(tmp_path / "w1.json"))
     assert cli.parse(WorkerArgs, ["--config", str(tmp_path / "w1.json")], "t") == args
+    # Values the config derives are saved as given: a replay with another width derives anew.
+    assert json.loads((tmp_path / "w1.json").read_text())["model"]["ffn"] == 0
+    wider = cli.parse(WorkerArgs, ["--config", str(tmp_path / "w1.json"), "--hidden", "128"], "t")
+    assert (wider.model.ffn, wider.model.classes) == (512, 4)
+    fixed = replace(args, model=ModelConfig(model="gpt", ffn=100, classes=3))
+    cli.write_file(fixed, str(tmp_path / "w2.json"))
+    again = cli.parse(WorkerArgs, ["--config", str(tmp_path / "w2.json"), "--hidden", "128"], "t")
+    assert (again.model.ffn, again.model.classes) == (100, 3)  # given values stay
 
 
 def test_events_are_typed_and_checked(tmp_path):

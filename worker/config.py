@@ -59,10 +59,13 @@ class ModelConfig:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if not 0 <= self.dropout < 1:
             raise ValueError("dropout must be in [0, 1)")
+        # Filled-in values are written back as given (0), so a saved config replayed with
+        # another --hidden gets its own ffn (protocol/cli.py to_dict reads as_given).
+        self.as_given: dict = {}
         if self.ffn == 0:
-            self.ffn = 4 * self.hidden
+            self.ffn, self.as_given["ffn"] = 4 * self.hidden, 0
         if self.classes == 0 and not self.model.startswith("hf:"):
-            self.classes = 4
+            self.classes, self.as_given["classes"] = 4, 0
         if self.classes < 0 or self.classes == 1:
             raise ValueError("classes must be 0 (the model's own) or at least 2")
 
