@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,11 +47,7 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
             try:
                 code = p.wait(timeout=timeout)
             except BaseException:  # interrupted (SIGINT reaches the launcher too) or timed out
-                try:
-                    p.wait(timeout=20)  # the launcher stops its processes and unlinks memory
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+                stop_launcher(p)
                 raise
             if code != 0:
                 console.seek(0)
@@ -58,6 +55,24 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
                                    + log_tails(runs))
         with open(summary) as f:
             return json.load(f)
+
+
+def stop_launcher(p: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGINT to l2l-launch (it stops its processes and unlinks their memory), SIGKILL after
+    ``grace`` s; a further interrupt meanwhile does not cut the wait short."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)  # a second one, if it had one already, is ignored there
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def log_tails(folder: str, lines: int = 40) -> str:

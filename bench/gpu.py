@@ -276,9 +276,9 @@ def bench_peers(a) -> dict:
         return {"table": table(title, headers, [[n, "-", "-", w] for n, w in absent.items()]),
                 "systems": {n: {"error": w} for n, w in absent.items()}, "targets": [],
                 "skipped": "; ".join(absent.values())}
-    # The peers' optimizers run on the host in this process, as the EPS's do in its threads.
+    # The peers' optimizers run on the host in this process (FSDP2's AdamW, DeepSpeed's CPU
+    # Adam through the same OpenMP runtime), as the EPS's do in its threads.
     torch.set_num_threads(a.server_threads)
-    os.environ["OMP_NUM_THREADS"] = str(a.server_threads)  # DeepSpeed's CPU Adam (OpenMP)
     rows, out = live(a, headers), {}
     for p in ("fp32",) if a.tiny else ("bf16",):
         s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p, extra=["--stash", "host"])

@@ -64,7 +64,7 @@ class Check:
     def run(self, label: str, cmd: list[str], env: dict, timeout: float) -> tuple[int, bool, str]:
         """Run ``cmd`` for at most ``timeout`` seconds (then SIGINT to its process group, so
         pytest's fixtures and l2l-launch stop their processes, and SIGKILL 30 s later); its
-        output is appended to the log. Returns (exit code, timed out, its output's tail)."""
+        output is appended to the log. Returns (exit code, timed out, its whole output)."""
         part = self.work / f"{label}.log"
         with open(part, "w") as f:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -74,11 +74,14 @@ class Check:
             except subprocess.TimeoutExpired:
                 stop_group(proc)
                 code, timed_out = proc.wait(), True
+            except BaseException:  # interrupted: its own session does not get the signal
+                stop_group(proc)
+                raise
         text = part.read_text(errors="replace")
         with open(self.log, "a") as f:
             f.write(f"===== {label}: {' '.join(cmd)}\n{text}\n===== {label}: exit {code}"
                     f"{' (stopped: time budget)' if timed_out else ''}\n\n")
-        return code, timed_out, text[-3000:]
+        return code, timed_out, text
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -110,10 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="l2l-gpucheck-"))
+    signal.signal(signal.SIGTERM, interrupted)  # stop the running part, keep the report
     try:
         return check(a, t0, out, work)
+    except KeyboardInterrupt:
+        print(f"gpu-check: interrupted; the report in {out} has the parts that ended",
+              file=sys.stderr)
+        return 130
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def check(a, t0: float, out: Path, work: Path) -> int:
@@ -232,21 +244,22 @@ def run_tests(c: Check, env: dict, timeout: float, tiny: bool) -> dict:
     xml = c.work / "cuda-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rs", "-p", "no:cacheprovider",
            f"--junitxml={xml}", str(ROOT / "tests" / "test_cuda.py")]
-    if importable("xdist") and (os.cpu_count() or 1) >= 8 and not tiny:
+    if importable("xdist") and (os.cpu_count() or 1) >= 8 and not tiny:  # else one process
         cmd[3:3] = ["-n", "4"]
     t = time.monotonic()
-    code, timed_out, tail = c.run("cuda-tests", cmd, dict(env, OMP_NUM_THREADS="1"), timeout)
+    code, timed_out, log = c.run("cuda-tests", cmd, dict(env, OMP_NUM_THREADS="1"), timeout)
     result = {"seconds": round(time.monotonic() - t, 1), "exit": code, "timed_out": timed_out,
               "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "cases": []}
-    cases = junit_cases(xml) if xml.exists() else verbose_cases(tail)
+    cases = junit_cases(xml) if xml.exists() else verbose_cases(log)
     for case in cases:
         result[case["outcome"]] += 1
     result["cases"] = cases
     if timed_out:
         result["stopped"] = f"stopped after {timeout:.0f} s; tests not listed did not run"
-    elif code not in (0, 1) or not xml.exists():  # crashed, interrupted, or collected nothing
+    elif (code not in (0, 1) or not xml.exists()  # crashed, interrupted, or collected nothing
+          or code == 1 and not result["failed"] + result["errors"]):  # leaked shared memory
         result["broken"] = f"pytest exit {code}{'' if xml.exists() else ', no report'}: " + \
-            tail[-1500:]
+            log[-1500:]
     print(f"gpu-check: tests {result['passed']} passed, {result['failed']} failed, "
           f"{result['errors']} errors, {result['skipped']} skipped in {result['seconds']} s"
           + (" (stopped)" if timed_out else "") + (" (BROKEN)" if "broken" in result else ""),
@@ -285,13 +298,14 @@ def run_piece(c: Check, env: dict, name: str, piece: str, opts: list[str],
     path = c.work / f"bench-{name}.json"
     cmd = [sys.executable, "-m", "bench", "gpu", "--only", piece, "--json", str(path), *opts]
     t = time.monotonic()
-    code, timed_out, tail = c.run(f"bench-{name}", cmd, env, timeout)
+    code, timed_out, log = c.run(f"bench-{name}", cmd, env, timeout)
     if path.exists():  # also when stopped: the piece keeps the rows it measured
         data = json.loads(path.read_text())["pieces"][piece]
     elif timed_out:
-        data = {"stopped": "stopped at the end of its time share, nothing written"}
+        data = {"stopped": "stopped at the end of its time share, nothing written",
+                "rows": [], "table": f"{name}: STOPPED before it wrote anything"}
     else:
-        data = {"error": f"exit {code}: {tail[-1500:]}"}
+        data = {"error": f"exit {code}: {log[-1500:]}"}
     data["wall_seconds"] = round(time.monotonic() - t, 1)
     note = data.get("error") or data.get("stopped") or ""
     print(f"gpu-check: {name} done in {data['wall_seconds']} s"

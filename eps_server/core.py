@@ -341,6 +341,8 @@ class EpsCore:
                              for t in self.data.published_at)))]
 
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
+        if identity not in self.peers and self.peers.late_bye(identity, msg.rank, msg.done):
+            return [Out(identity, Ack(req_id=msg.req_id))]
         peer = self.peers.get(identity)
         if peer.worker and msg.rank != peer.rank:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",

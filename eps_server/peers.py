@@ -58,6 +58,7 @@ class Peers:
         self._by_identity: dict[bytes, Peer] = {}
         self.done_ranks: set[int] = set()
         self.ever: set[int] = set()  # ranks held at some time in this run
+        self._exited: dict[bytes, int] = {}  # connection -> rank of holders whose process exited
 
     def get(self, identity: bytes) -> Peer:
         peer = self._by_identity.get(identity)
@@ -112,9 +113,22 @@ class Peers:
                 dead.append((p, f"nothing heard for {self.timeout:g} s"))
             elif p.worker and p.process and process_gone(p.process):
                 dead.append((p, f"its process (pid {p.pid}) has exited"))
-        for p, _ in dead:
+        for p, why in dead:
             del self._by_identity[p.identity]
+            if why.startswith("its process"):
+                self._exited[p.identity] = p.rank
         return dead
+
+    def late_bye(self, identity: bytes, rank: int, done: bool) -> bool:
+        """A Bye that arrives after its sender's process was seen to exit (the EPS read it
+        late): its rank counts as done if nobody took it over since. False if ``identity`` is
+        no such connection."""
+        if self._exited.get(identity) != rank:
+            return False
+        del self._exited[identity]
+        if done and self.holder(rank) is None:
+            self.done_ranks.add(rank)
+        return True
 
     def check_free(self, rank: int, identity: bytes, key: bytes,
                    process: str = "") -> Peer | None:

@@ -161,11 +161,14 @@ class EpsServer:
             await asyncio.sleep(min(1.0, self.cfg.heartbeat_timeout / 4))
             if self.core is None:
                 continue
-            for peer in self.core.expire():
-                if peer.worker:
-                    self.events.emit(PeerLost(rank=peer.rank, pid=peer.pid, silent=round(
-                        time.monotonic() - peer.last_seen, 3)))
-            self._check_exit()
+            try:
+                for peer in self.core.expire():
+                    if peer.worker:
+                        self.events.emit(PeerLost(rank=peer.rank, pid=peer.pid, silent=round(
+                            time.monotonic() - peer.last_seen, 3)))
+                self._check_exit()
+            except Exception:  # a bug: the watch must go on, or nobody is ever declared dead
+                log.exception("internal error watching the peers")
 
     async def _dispatch(self, identity: bytes, frames: list) -> list[Out]:
         self.stats.messages += 1

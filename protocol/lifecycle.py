@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import sys
 
@@ -34,35 +35,48 @@ def die_with_parent() -> None:
 # A worker names its process in its Hello so that an EPS on the same machine and in the same
 # PID namespace can tell at once that the process holding a rank has exited (and free the
 # rank for a replacement) instead of waiting out the heartbeat timeout. Elsewhere (another
-# host or container) nothing can be told from it, and the timeout decides as before.
+# host or container), or where /proc does not answer plainly, nothing is told from it and the
+# timeout decides as before: a process is judged exited only when the kernel says no such
+# process exists (or its pid now belongs to one started later).
 
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _start_time(pid: int | str) -> str:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot), "" if the process is
-    gone; "zombie" if it has exited but is not reaped yet."""
-    stat = _read(f"/proc/{pid}/stat")
-    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
-    if len(fields) < 20:
-        return ""
-    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+IDENTITY = re.compile(r"[0-9a-f-]{1,64}:[0-9]{1,20}:[0-9]{1,10}:[0-9]{1,20}")
 
 
 def _machine() -> str:
-    """This boot of this machine and this PID namespace: pids mean the same only within both."""
-    boot = _read("/proc/sys/kernel/random/boot_id").strip()
+    """This boot of this machine and this PID namespace ("" if /proc is not this namespace's:
+    then pids read there mean something else)."""
     try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return ""
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}" if boot else ""
     except OSError:
         return ""
-    return f"{boot}:{ns}" if boot else ""
+
+
+def _start_time(pid: int | str) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); "" if there is no
+    such process (or it has exited and awaits its parent); None if /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:  # gone, or hidden (hidepid): ask the kernel
+        if pid == "self":
+            return None
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return ""
+        except OSError:  # EPERM: it exists, another user's
+            pass
+        return None
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()  # after the command name, which may hold anything
+    if len(fields) < 20:
+        return None
+    return "" if fields[0] in (b"Z", b"X") else fields[19].decode("ascii", "replace")
 
 
 def process_identity() -> str:
@@ -73,12 +87,18 @@ def process_identity() -> str:
 
 def process_alive(identity: str) -> bool | None:
     """Whether the process ``identity`` (a ``process_identity``) names is alive: None when that
-    cannot be told (another machine or PID namespace, no /proc, malformed); False once it has
-    exited or its pid belongs to another process now."""
-    parts = identity.rsplit(":", 2)
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[0] or parts[0] != _machine():
+    cannot be told (another machine or PID namespace, /proc unreadable, malformed); False once
+    it has exited or its pid belongs to another process now. Never raises."""
+    try:
+        if not IDENTITY.fullmatch(identity):
+            return None
+        machine, pid, start = identity.rsplit(":", 2)
+        if machine != _machine():
+            return None
+        now = _start_time(int(pid))
+        return None if now is None else now == start
+    except Exception:  # a judgement of liveness must never take its caller down
         return None
-    return _start_time(int(parts[1])) == parts[2]
 
 
 def process_gone(identity: str) -> bool:

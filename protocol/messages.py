@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .lifecycle import IDENTITY
 from .tensors import DTYPES, Manifest
 
 PROTOCOL_VERSION = 5  # what each version added: SPEC.md, "Versions"
@@ -138,7 +139,8 @@ class Hello(Message):
                  f"must be one of {sorted(DTYPES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
         _require(len(self.host) <= 255, "host", "too long")
-        _require(len(self.process) <= 200, "process", "too long")
+        _require(not self.process or IDENTITY.fullmatch(self.process) is not None, "process",
+                 "must be boot_id:pidns:pid:start_time")
 
 
 @message(2, body=REPLY_BODY)

@@ -10,6 +10,7 @@ interleaving, and whether the dead process comes back to life and tries to push.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -420,3 +421,36 @@ def test_one_key_for_several_ranks_cannot_displace_a_live_process():
     assert peers.check_free(0, b"other", b"key", process_identity()) is holder  # it exited
     holder.process = ""  # a holder that cannot be seen: the key decides, as before
     assert peers.check_free(0, b"other", b"key", process_identity()) is holder
+
+
+def test_a_bye_read_after_its_process_exited_still_counts(make):
+    """A worker that said Bye(done) and exited may be seen gone before the EPS reads its Bye;
+    the Bye is still answered and its rank counts as done (--exit-when-done needs it)."""
+    child, process = live_process()
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    assert isinstance(h.hello(0), Welcome)
+    assert isinstance(h.hello(1, process=process, pid=child.pid), Welcome)
+    child.stdin.close()
+    child.wait(timeout=30)
+    assert [p.rank for p in h.core.expire()] == [1]
+    h.send(1, Bye(req_id=9, rank=1, done=True))
+    assert isinstance(h.take(1, 9).msg, Ack)
+    assert h.core.peers.done_ranks == {1} and not h.core.all_done
+    h.send(1, Bye(req_id=10, rank=1, done=True))  # only once
+    assert error(h.take(1, 10)).code == "not_registered"
+
+
+def test_a_process_whose_proc_is_another_namespaces_is_never_judged():
+    """In a PID namespace whose /proc is its parent's (unshare without --mount-proc, some
+    sandboxes) pids read there mean other processes: the worker names no process, and an EPS
+    there judges none, so nobody alive is declared dead from a misread."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    code = ("import os; from protocol.lifecycle import process_alive, process_identity; "
+            "i = process_identity(); print(os.getpid(), repr(i), process_alive(i), "
+            "process_alive(" + repr(process_identity()) + "))")
+    r = subprocess.run(["unshare", "-pf", "--kill-child", sys.executable, "-c", code], env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip(f"unshare -pf is not allowed here: {r.stderr.strip()[-200:]}")
+    assert r.stdout.split() == ["1", "''", "None", "None"], r.stdout

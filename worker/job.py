@@ -140,7 +140,9 @@ def run_worker(args: WorkerArgs) -> dict:
     manifest = model.manifest()
     layout = plan_layout(manifest)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
-    source = welcome = tracer = memory = events = None
+    source = welcome = tracer = memory = None
+    # a bad path fails before the join, unless it names the rank (known after the join)
+    events = None if "{rank}" in cfg.events else EventWriter(cfg.events)
     results: list[StepResult] = []
     evals: list[dict] = []
     done = False
@@ -156,7 +158,7 @@ def run_worker(args: WorkerArgs) -> dict:
             if evalset is not None:
                 evalset = EvalSet(evalset.task, cfg.micro_batch_size, cfg.rank, cfg.world_size)
         LOG_RANK.rank = str(cfg.rank)
-        events = EventWriter(per_rank(cfg.events, cfg.rank))
+        events = events or EventWriter(per_rank(cfg.events, cfg.rank))
         device = worker_device(cfg.device, cfg.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)

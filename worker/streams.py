@@ -70,8 +70,9 @@ class Streams:
         worker of another GPU."""
         if not self.cuda:
             return ThreadPoolExecutor(1, name)
-        return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device,
-                                  initargs=(self.device,))
+        index = self.device.index if self.device.index is not None else \
+            torch.cuda.current_device()
+        return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device, initargs=(index,))
 
 
 class _Null:
