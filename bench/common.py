@@ -46,8 +46,11 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
                                  stdin=subprocess.DEVNULL)
             try:
                 code = p.wait(timeout=timeout)
-            except BaseException:  # interrupted (SIGINT reaches the launcher too) or timed out
-                stop_launcher(p)
+            except subprocess.TimeoutExpired:
+                stop_launcher(p, signal_it=True)
+                raise
+            except BaseException:  # interrupted: the SIGINT reached the launcher too
+                stop_launcher(p, signal_it=False)
                 raise
             if code != 0:
                 console.seek(0)
@@ -57,22 +60,25 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
             return json.load(f)
 
 
-def stop_launcher(p: subprocess.Popen, grace: float = 20.0) -> None:
-    """SIGINT to l2l-launch (it stops its processes and unlinks their memory), SIGKILL after
-    ``grace`` s; a further interrupt meanwhile does not cut the wait short."""
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)  # a second one, if it had one already, is ignored there
-    deadline = time.monotonic() + grace
+def stop_launcher(p: subprocess.Popen, signal_it: bool, grace: float = 20.0) -> None:
+    """Let l2l-launch stop its processes and unlink their memory (``signal_it``: send it the
+    SIGINT first), SIGKILL after ``grace`` s. An interrupt meanwhile does not cut the wait
+    short; it is raised once the launcher is gone."""
+    if signal_it and p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    deadline, interrupted = time.monotonic() + grace, False
     while True:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            return
+            break
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-            return
+            break
         except KeyboardInterrupt:
-            continue
+            interrupted = True
+    if interrupted and signal_it:
+        raise KeyboardInterrupt
 
 
 def log_tails(folder: str, lines: int = 40) -> str:

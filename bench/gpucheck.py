@@ -85,6 +85,7 @@ class Check:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT to the part's process group, SIGKILL 30 s later (or at a further interrupt)."""
     for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -93,7 +94,7 @@ def stop_group(proc: subprocess.Popen) -> None:
         try:
             proc.wait(timeout=grace)
             return
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
             continue
 
 

@@ -168,7 +168,10 @@ class EpsCore:
 
     def _expire(self) -> None:
         for peer, why in self.peers.expire():
-            self._gone(peer, why)
+            try:
+                self._gone(peer, why)
+            except Exception:  # a bug: the other dead peers must still be let go
+                log.exception("internal error letting rank %d go", peer.rank)
 
     def _gone(self, peer: Peer, why: str) -> None:
         if peer.worker:

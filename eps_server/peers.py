@@ -163,6 +163,8 @@ class Peers:
         if peer.worker:
             self.done_ranks.discard(peer.rank)
             self.ever.add(peer.rank)
+            # a Bye still queued from an earlier holder of this rank speaks for nobody now
+            self._exited = {i: r for i, r in self._exited.items() if r != peer.rank}
         return old
 
     def leave(self, identity: bytes, done: bool) -> Peer:

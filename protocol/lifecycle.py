@@ -43,11 +43,18 @@ IDENTITY = re.compile(r"[0-9a-f-]{1,64}:[0-9]{1,20}:[0-9]{1,10}:[0-9]{1,20}")
 
 
 def _machine() -> str:
-    """This boot of this machine and this PID namespace ("" if /proc is not this namespace's:
-    then pids read there mean something else)."""
+    """This boot of this machine and this PID namespace ("" if /proc is not this namespace's,
+    where pids read there mean something else, or in a time namespace with offsets, where
+    start times read in /proc are shifted by the reader's offset)."""
     try:
         if os.readlink("/proc/self") != str(os.getpid()):
             return ""
+        try:
+            with open("/proc/self/timens_offsets") as f:
+                if any(int(v) for line in f for v in line.split()[1:]):
+                    return ""
+        except FileNotFoundError:  # a kernel without time namespaces
+            pass
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}" if boot else ""
@@ -82,7 +89,8 @@ def _start_time(pid: int | str) -> str | None:
 def process_identity() -> str:
     """``boot id:pid namespace:pid:start time`` of this process ("" where /proc cannot say)."""
     machine, start = _machine(), _start_time("self")
-    return f"{machine}:{os.getpid()}:{start}" if machine and start else ""
+    identity = f"{machine}:{os.getpid()}:{start}" if machine and start else ""
+    return identity if IDENTITY.fullmatch(identity) else ""
 
 
 def process_alive(identity: str) -> bool | None:

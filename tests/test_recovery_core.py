@@ -438,19 +438,29 @@ def test_a_bye_read_after_its_process_exited_still_counts(make):
     assert h.core.peers.done_ranks == {1} and not h.core.all_done
     h.send(1, Bye(req_id=10, rank=1, done=True))  # only once
     assert error(h.take(1, 10)).code == "not_registered"
+    # Once another connection has held the rank, the late Bye speaks for nobody.
+    peers = Peers(world_size=2, timeout=TIMEOUT)
+    peers.register(Peer(b"old", 1, None, "float32", child.pid, process=process))
+    assert [p.rank for p, _ in peers.expire()] == [1]
+    peers.register(Peer(b"new", 1, None, "float32", 0))
+    peers.leave(b"new", done=False)
+    assert not peers.late_bye(b"old", 1, True) and peers.done_ranks == set()
 
 
-def test_a_process_whose_proc_is_another_namespaces_is_never_judged():
+@pytest.mark.parametrize("unshare", [["-pf", "--kill-child"], ["-T", "--boottime", "100000"]],
+                         ids=["pid namespace, parent's /proc", "time namespace"])
+def test_where_proc_misleads_no_process_is_judged(unshare):
     """In a PID namespace whose /proc is its parent's (unshare without --mount-proc, some
-    sandboxes) pids read there mean other processes: the worker names no process, and an EPS
-    there judges none, so nobody alive is declared dead from a misread."""
+    sandboxes) pids read there mean other processes; in a time namespace with offsets the
+    start times read there are shifted. The worker names no process there, and an EPS there
+    judges none, so nobody alive is declared dead from a misread."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare here")
-    code = ("import os; from protocol.lifecycle import process_alive, process_identity; "
-            "i = process_identity(); print(os.getpid(), repr(i), process_alive(i), "
+    code = ("from protocol.lifecycle import process_alive, process_identity; "
+            "i = process_identity(); print(repr(i), process_alive(i), "
             "process_alive(" + repr(process_identity()) + "))")
-    r = subprocess.run(["unshare", "-pf", "--kill-child", sys.executable, "-c", code], env=ENV,
+    r = subprocess.run(["unshare", *unshare, sys.executable, "-c", code], env=ENV,
                        capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
-        pytest.skip(f"unshare -pf is not allowed here: {r.stderr.strip()[-200:]}")
-    assert r.stdout.split() == ["1", "''", "None", "None"], r.stdout
+        pytest.skip(f"unshare {unshare[0]} is not allowed here: {r.stderr.strip()[-200:]}")
+    assert r.stdout.split() == ["''", "None", "None"], r.stdout

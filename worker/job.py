@@ -139,10 +139,10 @@ def run_worker(args: WorkerArgs) -> dict:
                          cfg.world_size)
     manifest = model.manifest()
     layout = plan_layout(manifest)
-    client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
-    source = welcome = tracer = memory = None
     # a bad path fails before the join, unless it names the rank (known after the join)
     events = None if "{rank}" in cfg.events else EventWriter(cfg.events)
+    client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
+    source = welcome = tracer = memory = None
     results: list[StepResult] = []
     evals: list[dict] = []
     done = False
