@@ -113,10 +113,10 @@ class Peers:
                 dead.append((p, f"nothing heard for {self.timeout:g} s"))
             elif p.worker and p.process and process_gone(p.process):
                 dead.append((p, f"its process (pid {p.pid}) has exited"))
-        for p, why in dead:
+                self._exited[p.identity] = p.rank  # its Bye may still be on the way
+            else:
+                continue
             del self._by_identity[p.identity]
-            if why.startswith("its process"):
-                self._exited[p.identity] = p.rank
         return dead
 
     def late_bye(self, identity: bytes, rank: int, done: bool) -> bool:

@@ -70,9 +70,8 @@ class Streams:
         worker of another GPU."""
         if not self.cuda:
             return ThreadPoolExecutor(1, name)
-        index = self.device.index if self.device.index is not None else \
-            torch.cuda.current_device()
-        return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device, initargs=(index,))
+        return ThreadPoolExecutor(1, name, initializer=torch.cuda.set_device,
+                                  initargs=(device_index(self.device),))
 
 
 class _Null:
@@ -119,6 +118,11 @@ def _describe(code: int) -> str:
         return "see cuda_runtime_api.h"
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device's ordinal ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def read_only_registration_supported(device: torch.device) -> bool | None:
     """Whether ``device`` can register memory mapped read-only (None: cannot tell). Many x86
     machines cannot (cudaDevAttrHostRegisterReadOnlySupported is 0); there a read-only mapping
@@ -129,8 +133,8 @@ def read_only_registration_supported(device: torch.device) -> bool | None:
             fn = ctypes.CDLL(path).cudaDeviceGetAttribute
         except (OSError, AttributeError):
             continue
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if fn(ctypes.byref(value), ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index) == 0:
+        if fn(ctypes.byref(value), ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED,
+              device_index(device)) == 0:
             return bool(value.value)
         drain_cuda_error()
     return None
