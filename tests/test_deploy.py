@@ -130,7 +130,7 @@ def test_the_plan_is_the_shared_memory_the_eps_creates(tmp_path):
     assert plan.returncode == 0, plan.stderr
     expected = sum(r.nbytes for r in shm_regions(cli.parse(LaunchArgs, args, "l2l-launch")))
     assert plan.stdout.splitlines()[-1].startswith("L2L_SHM_SIZE=")
-    p = subprocess.Popen([sys.executable, "-m", "launch", *args, "--steps", "400", "--quiet",
+    p = subprocess.Popen([sys.executable, "-m", "launch", *args, "--steps", "100000", "--quiet",
                           "--threads", "1", "--runs-dir", str(tmp_path)], env=ENV,
                          cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          start_new_session=True)

@@ -15,7 +15,9 @@ CTL = [sys.executable, "-m", "launch.ctl"]
 
 def test_status_shows_workers_and_layers_of_a_running_job(cluster):
     cluster.start_server(1, "--heartbeat-timeout", "5")
-    w = cluster.worker(0, 1, *SMALL, "--steps", "400")
+    # Steps enough to outlast the test on any machine (the job ending would end the EPS under
+    # the watch); the cluster kills it at the end.
+    w = cluster.worker(0, 1, *SMALL, "--steps", "1000000")
     ctl = [*CTL, "--endpoint", cluster.endpoint, "status"]
     deadline = time.monotonic() + 120
     while True:
