@@ -39,6 +39,10 @@ class LayerOptimizer:
         self.plan, self.master, self.grad, self.compute, self.cfg = (
             plan, master, grad, compute, cfg)
         self.spans = [(group, start, end) for group, (start, end) in plan.groups.items()]
+        # On the master's device: CUDA's fused kernels read the step count (and the gradient
+        # scale) in the kernel, as torch.optim keeps them for fused=True (in-process baselines
+        # on a GPU; the EPS's are on the CPU).
+        self.steps = torch.zeros((), dtype=torch.float32, device=master.device)
 
     def decay(self, group: str, cfg: OptimizerConfig | None = None) -> float:
         return (cfg or self.cfg).weight_decay if group == "decay" else 0.0
@@ -71,14 +75,14 @@ class AdamW(LayerOptimizer):
         super().__init__(*args)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.steps = torch.zeros((), dtype=torch.float32)
         self.chunk = chunk
 
     def step(self, t: int, lr: float, grad_scale: float = 1.0,
              cfg: OptimizerConfig | None = None) -> None:
         c = cfg or self.cfg
         self.steps += 1
-        scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
+        scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32,
+                                                            device=self.master.device)
         chunk = self.chunk if self.compute is not None else max(1, self.master.numel())
         for group, start, end in self.spans:
             for lo in range(start, end, chunk):
@@ -99,20 +103,19 @@ class Lamb(LayerOptimizer):
     """LAMB (You et al., 2020, Algorithm 2): Adam's bias-corrected direction plus decoupled
     weight decay, scaled per tensor by the trust ratio ||x|| / ||r|| (1 where a norm is 0; the
     ratio applies to every tensor, weight decay only to the "decay" group). Two compiled
-    passes per layer (lamb_kernels); torch ops when numba is missing."""
+    passes per layer (lamb_kernels); torch ops when numba is missing or off the CPU."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.steps = torch.zeros((), dtype=torch.float32)
         self.starts = np.array([s.offset for s in self.plan.tensors], dtype=np.int64)
         self.ends = self.starts + np.array([s.numel for s in self.plan.tensors], dtype=np.int64)
         self.decays = np.array([s.group == "decay" for s in self.plan.tensors])
 
     def step(self, t: int, lr: float, grad_scale: float = 1.0,
              cfg: OptimizerConfig | None = None) -> None:
-        if not lamb_kernels.available():
+        if not lamb_kernels.available() or self.master.device.type != "cpu":
             return self._step_torch(t, lr, grad_scale, cfg or self.cfg)
         c, f = cfg or self.cfg, np.float32
         self.steps += 1
@@ -162,7 +165,6 @@ class Sgd(LayerOptimizer):
     def __init__(self, *args):
         super().__init__(*args)
         self.momentum_buffer = torch.zeros_like(self.master) if self.cfg.momentum else None
-        self.steps = torch.zeros((), dtype=torch.float32)
 
     def step(self, t: int, lr: float, grad_scale: float = 1.0,
              cfg: OptimizerConfig | None = None) -> None:
