@@ -1,7 +1,12 @@
 import os
 
-import pytest
-import torch
+# fp32 means fp32 on a GPU too, in this process and the ones it starts (tests/helpers.ENV):
+# images that turn TF32 on by environment (NVIDIA's) would make every fp32 comparison a TF32 one.
+os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+os.environ.pop("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from protocol.shm import list_regions
 
