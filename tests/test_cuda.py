@@ -77,8 +77,10 @@ VARIANTS = {
     "stash host": ["--stash", "host"],
     "stash host, slow copies out": ["--stash", "host", "--cuda-delay", f"d2h:{DELAY}"],
     "stash host, slow compute": ["--stash", "host", "--cuda-delay", f"compute:{DELAY}"],
+    "stash host, slow copies back": ["--stash", "host", "--cuda-delay", f"copy-back:{DELAY}"],
     "stash eps": ["--stash", "eps"],
     "stash eps, slow copies out": ["--stash", "eps", "--cuda-delay", f"d2h:{DELAY}"],
+    "stash eps, slow copies back": ["--stash", "eps", "--cuda-delay", f"copy-back:{DELAY}"],
     "frames": ["--transport", "frames"],
 }
 

@@ -162,7 +162,8 @@ class WorkerConfig:
     cuda_delay: str = ""
     """Testing: POINT:MICROSECONDS[,...] makes a CUDA stream spin before its work at POINT:
     copy (each weight copy), compute (each layer visit), d2h (each copy out: gradients,
-    stash), to show that no stream misses an event wait (worker/streams.py)."""
+    stash), copy-back (each stash entry's copy back to the device), to show that no stream
+    misses an event wait (worker/streams.py)."""
     fault: str = ""
     """Testing: RANK:STEP:POINT[:stop] makes rank RANK kill (or stop) itself at POINT of step
     STEP (F<l>, H<l>, B<l>: a visit of layer l; E: after the step); see worker/faults.py."""

@@ -221,6 +221,8 @@ class Executor:
             tie_targets = self._tie_grads(plan)
             mine = [leaves[s.name] for s in plan.tensors] if push else []
             weights = mine + [leaves[t.name] for t in plan.ties]
+            # the visit after this one in this step (its first stash entry is fetched early)
+            after_this = prefetch[0] if prefetch is not None and prefetch[1] == step else -1
             for i, batch in enumerate(batches):
                 if not weights and layer == 0:
                     break  # already pushed, no input to differentiate: nothing to compute
@@ -235,6 +237,8 @@ class Executor:
                         x_in = None
                     with torch.enable_grad(), self._rng(step, layer, i):
                         out = stage(x_in, batch)
+                # the next stashed input comes back to the device while this one computes
+                self.stash.fetch(*((layer, i + 1) if i + 1 < len(batches) else (after_this, 0)))
                 if head:
                     out, correct = out
                     loss_sum += out.detach()

@@ -46,12 +46,13 @@ class Fault:
             os.kill(os.getpid(), self.signal)
 
 
-DELAY_POINTS = ("copy", "compute", "d2h")
+DELAY_POINTS = ("copy", "compute", "d2h", "copy-back")
 CYCLES_PER_US = 2000  # torch.cuda._sleep spins for GPU clock cycles: ~1 us at 2 GHz
 
 
 def parse_delays(text: str) -> dict[str, int]:
-    """``--cuda-delay copy:US,compute:US,d2h:US`` -> {point: GPU cycles to spin there}."""
+    """``--cuda-delay copy:US,compute:US,d2h:US,copy-back:US`` -> {point: GPU cycles to spin
+    there}."""
     delays: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         point, _, us = item.partition(":")

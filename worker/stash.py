@@ -9,7 +9,8 @@ A boundary is a tensor or a tuple of tensors; each member is stored as it is.
             depth on CPU either (the arena is the EPS's, sized by this worker)
 
 ``put`` returns the boundary the forward should go on reading (the stored copy when it lives in
-host memory the compute can read directly, so the private original can be freed at once).
+host memory the compute can read directly, so the private original can be freed at once);
+``fetch`` starts bringing an entry back to the device ahead of its ``pop``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class DeviceStash:
         self._store[layer, micro_batch] = x
         return x
 
+    def fetch(self, layer: int, micro_batch: int) -> None:
+        pass  # already on the device
+
     def pop(self, layer: int, micro_batch: int):
         return self._store.pop((layer, micro_batch))
 
@@ -67,64 +71,98 @@ class DeviceStash:
         self._store.clear()
 
 
-class HostStash:
-    """CUDA: pinned host buffers, one per (layer, micro-batch, member), kept across steps. The
-    copy out runs on a side stream behind the forward's event; the copy back waits for it."""
+class _Staged:
+    """CUDA: entries copied out to host memory (``_copy_out``) on the d2h stream behind the
+    forward's event, and back (``fetch``, ahead of the backward that reads them: the executor
+    fetches micro-batch i+1 while i computes) on the stash stream behind the copy out's event;
+    ``pop`` makes the compute stream wait for the copy back. Neither copy holds up the compute
+    stream. A host buffer is written again only in the next step, behind an event of the
+    compute stream, which by then has waited for the copy back out of it."""
 
     def __init__(self, streams: Streams):
         self.streams = streams
-        self._host: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._copied: dict[tuple[int, int], object] = {}
-        self._shapes: dict[tuple[int, int], object] = {}  # each boundary's structure
+        self._out: dict[tuple[int, int], tuple[object, object]] = {}  # (host copy, copied)
+        self._back: dict[tuple[int, int], tuple[object, object]] = {}  # (device copy, landed)
         self._inflight = _InFlight()
 
-    def put(self, layer: int, micro_batch: int, x):
-        key = (layer, micro_batch)
-        produced = self.streams.event()
-        with self.streams.on(self.streams.d2h):
-            self.streams.wait(produced, self.streams.d2h)
-            self.streams.stall("d2h", self.streams.d2h)
-            for j, t in enumerate(members(x)):
-                host = self._host.get((*key, j))
-                if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                    host = self._host[(*key, j)] = torch.empty(t.shape, dtype=t.dtype,
-                                                             pin_memory=True)
-                host.copy_(t, non_blocking=True)
-            self._copied[key] = self.streams.event(self.streams.d2h)
+    def _copy_out(self, key: tuple[int, int], x, slots: list[torch.Tensor]) -> None:
+        s = self.streams
+        produced = s.event()
+        with s.on(s.d2h):
+            s.wait(produced, s.d2h)
+            s.stall("d2h", s.d2h)
+            for slot, t in zip(slots, members(x)):
+                slot.copy_(t, non_blocking=True)
+            copied = s.event(s.d2h, host_waits=True)
+        self._out[key] = (shaped_like(x, slots), copied)  # not x: it may go
         for t in members(x):
-            self._inflight.add(self._copied[key], t)
-        self._shapes[key] = shaped_like(x, [None] * len(members(x)))  # not x: it may go
-        return x
+            self._inflight.add(copied, t)
+
+    def fetch(self, layer: int, micro_batch: int) -> None:
+        """Start copying the entry back to the device (nothing if it is not stored, or is on
+        its way already)."""
+        key = (layer, micro_batch)
+        if key not in self._out:
+            return
+        stored, copied = self._out.pop(key)
+        s = self.streams
+        with s.on(s.stash):
+            s.wait(copied, s.stash)
+            s.stall("copy-back", s.stash)
+            parts = [torch.empty(t.shape, dtype=t.dtype, device=s.device) for t in members(stored)]
+            for part, t in zip(parts, members(stored)):
+                part.copy_(t, non_blocking=True)
+            self._back[key] = (shaped_like(stored, parts), s.event(s.stash))
 
     def pop(self, layer: int, micro_batch: int):
-        key = (layer, micro_batch)
-        self.streams.wait(self._copied.pop(key))
-        x = self._shapes.pop(key)
-        return shaped_like(x, [self._host[(*key, j)].to(self.streams.device, non_blocking=True)
-                               for j in range(len(members(x)))])
+        self.fetch(layer, micro_batch)
+        x, landed = self._back.pop((layer, micro_batch))
+        self.streams.wait(landed)
+        for t in members(x):
+            self.streams.used_by_compute(t)  # allocated on the stash stream
+        return x
 
     def clear(self) -> None:
-        self._copied.clear()
-        self._shapes.clear()
+        for _, landed in self._back.values():  # fetched, never read: the next step's copies
+            self.streams.wait(landed)          # out into their buffers must come after
+        self._back.clear()
+        self._out.clear()
         self._inflight.clear()
 
 
-class EpsStash:
+class HostStash(_Staged):
+    """CUDA: pinned host buffers, one per (layer, micro-batch, member), kept across steps."""
+
+    def __init__(self, streams: Streams):
+        super().__init__(streams)
+        self._host: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def put(self, layer: int, micro_batch: int, x):
+        slots = []
+        for j, t in enumerate(members(x)):
+            host = self._host.get((layer, micro_batch, j))
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = self._host[layer, micro_batch, j] = self.streams.pinned(t.shape, t.dtype)
+            slots.append(host)
+        self._copy_out((layer, micro_batch), x, slots)
+        return x
+
+
+class EpsStash(_Staged):
     """Entries in an arena of EPS-owned shared memory, one per (block, micro-batch); the
     stashed layers are 1..``layers`` (the blocks). The arena is requested on the first put,
     sized for the whole depth from that first boundary (boundaries of a layered model all have
-    one shape); each member of an entry starts at a multiple of 256 bytes."""
+    one shape); each member of an entry starts at a multiple of 256 bytes. On the CPU the
+    forward goes on reading the arena copy; on CUDA it is staged as the host stash is."""
 
     def __init__(self, source, streams: Streams, layers: int, micro_batches: int):
+        super().__init__(streams)
         self.source = source
-        self.streams = streams
         self.layers = layers
         self.micro_batches = micro_batches
         self.region = None
         self.entry_bytes = 0
         self._members: list[tuple[int, int]] = []  # (byte offset in the entry, bytes) each
-        self._stored: dict[tuple[int, int], tuple[object, object]] = {}
-        self._inflight = _InFlight()
 
     def _slots(self, layer: int, micro_batch: int, x) -> list[torch.Tensor]:
         parts = members(x)
@@ -150,36 +188,23 @@ class EpsStash:
 
     def put(self, layer: int, micro_batch: int, x):
         slots = self._slots(layer, micro_batch, x)
-        if not self.streams.cuda:
-            for slot, t in zip(slots, members(x)):
-                slot.copy_(t)
-            stored = shaped_like(x, slots)
-            self._stored[layer, micro_batch] = (stored, None)
-            return stored  # the forward reads the arena copy; the private x can go
-        produced = self.streams.event()
-        with self.streams.on(self.streams.d2h):
-            self.streams.wait(produced, self.streams.d2h)
-            self.streams.stall("d2h", self.streams.d2h)
-            for slot, t in zip(slots, members(x)):
-                slot.copy_(t, non_blocking=True)
-            copied = self.streams.event(self.streams.d2h)
-        self._stored[layer, micro_batch] = (shaped_like(x, slots), copied)
-        for t in members(x):
-            self._inflight.add(copied, t)
-        return x
+        if self.streams.cuda:
+            self._copy_out((layer, micro_batch), x, slots)
+            return x
+        for slot, t in zip(slots, members(x)):
+            slot.copy_(t)
+        stored = shaped_like(x, slots)
+        self._out[layer, micro_batch] = (stored, None)
+        return stored  # the forward reads the arena copy; the private x can go
+
+    def fetch(self, layer: int, micro_batch: int) -> None:
+        if self.streams.cuda:
+            super().fetch(layer, micro_batch)
 
     def pop(self, layer: int, micro_batch: int):
-        stored, copied = self._stored.pop((layer, micro_batch))
-        if not self.streams.cuda:
-            return stored
-        self.streams.wait(copied)
-        return shaped_like(stored, [t.to(self.streams.device, non_blocking=True)
-                                    for t in members(stored)])
-
-    def clear(self) -> None:
-        self._stored.clear()
         if self.streams.cuda:
-            self._inflight.clear()
+            return super().pop(layer, micro_batch)
+        return self._out.pop((layer, micro_batch))[0]
 
 
 STASHES = ("device", "host", "eps")

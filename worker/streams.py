@@ -32,6 +32,9 @@ class Streams:
         self.cuda = device.type == "cuda"
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        # stash entries back to the device: apart from h2d, where a whole layer's weights
+        # may be queued ahead (one micro-batch's input is wanted sooner)
+        self.stash = torch.cuda.Stream(device) if self.cuda else None
         self.delays = delays or {}
 
     def stall(self, point: str, stream=None) -> None:
@@ -59,6 +62,16 @@ class Streams:
         if event is not None:
             (stream if stream is not None else torch.cuda.current_stream(self.device)
              ).wait_event(event)
+
+    def pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory the GPU copies to and from asynchronously (page-locked on CUDA)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def used_by_compute(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was allocated on a side stream and is read on the compute stream: its
+        memory must not be handed out again before the compute stream's work on it is done."""
+        if self.cuda:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
 
     def on(self, stream):
         """Context: issue work on ``stream`` (no-op on CPU)."""

@@ -1,0 +1,205 @@
+"""The host and EPS stashes' CUDA bookkeeping, run on the CPU: streams that take the CUDA branches
+but copy at once and log every event recorded and waited for. A whole training run through
+them must equal the device stash bitwise; every entry must be fetched back ahead of the pop
+that reads it; every wait must be for the right copy. (Whether the GPU honours the waits is
+tests/test_cuda.py's part, with slowed streams.)"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+import worker.executor
+from protocol.shm import Region, unlink_prefix
+from worker.config import ModelConfig
+from worker.stash import DeviceStash, EpsStash, HostStash
+from worker.streams import Streams
+
+from .baseline import train_local_l2l
+
+
+class Event:
+    ids = itertools.count()
+
+    def __init__(self, stream: str):
+        self.stream, self.id = stream, next(self.ids)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class LoggedStreams(Streams):
+    """The CUDA side of Streams on the CPU: copies are synchronous; events and waits logged."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.cuda = True
+        self.h2d, self.d2h, self.stash = "h2d", "d2h", "stash"
+        self.log: list[tuple] = []
+
+    def event(self, stream=None, host_waits=False):
+        ev = Event(stream or "compute")
+        self.log.append(("record", ev.stream, ev))
+        return ev
+
+    def wait(self, event, stream=None):
+        self.log.append(("wait", stream or "compute", event))
+
+    def stall(self, point, stream=None):
+        pass
+
+    def on(self, stream):
+        return contextlib.nullcontext()
+
+    def pinned(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def used_by_compute(self, tensor):
+        self.log.append(("used", "compute", tensor))
+
+
+class Recorded:
+    """A stash that logs the executor's calls to it."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def put(self, layer, i, x):
+        self.calls.append(("put", layer, i))
+        return self.inner.put(layer, i, x)
+
+    def fetch(self, layer, i):
+        self.calls.append(("fetch", layer, i))
+        self.inner.fetch(layer, i)
+
+    def pop(self, layer, i):
+        self.calls.append(("pop", layer, i))
+        x = self.inner.pop(layer, i)
+        assert all(t.untyped_storage().data_ptr() not in self.host_pointers()
+                   for t in (x if isinstance(x, tuple) else (x,))), "not a copy of its own"
+        return x
+
+    def clear(self):
+        self.calls.append(("clear",))
+        self.inner.clear()
+
+    def host_pointers(self) -> set[int]:
+        held = getattr(self.inner, "_host", {}).values()
+        return {t.untyped_storage().data_ptr() for t in held}
+
+
+class Arena:
+    """A source's stash arena: a real shared-memory region, unlinked after the test."""
+
+    def __init__(self):
+        self.regions = []
+
+    def stash_arena(self, nbytes):
+        name = f"l2l-test-stash-{len(self.regions)}"
+        unlink_prefix(name)
+        self.regions.append(Region.create(name, nbytes))
+        return self.regions[-1]
+
+    def close(self):
+        for r in self.regions:
+            r.unlink()
+            r.close()
+
+
+CFG = ModelConfig(model="bert", layers=4, hidden=32, heads=2, seq_len=16, vocab=64, dropout=0.1)
+
+
+@pytest.mark.parametrize("kind", ["host", "eps"])
+@pytest.mark.parametrize("layer_drop", [0.0, 0.4])
+def test_staged_stash_trains_bitwise_as_the_device_stash(monkeypatch, kind, layer_drop):
+    want = train_local_l2l(CFG, steps=3, micro_batches=3, batch_size=4, layer_drop=layer_drop)
+    made, arena = [], Arena()
+
+    def make(_kind, source, streams, layers, micro_batches):
+        s = LoggedStreams()
+        inner = HostStash(s) if kind == "host" else EpsStash(arena, s, layers, micro_batches)
+        made.append(Recorded(inner))
+        return made[-1]
+
+    monkeypatch.setattr(worker.executor, "make_stash", make)
+    try:
+        got = train_local_l2l(CFG, steps=3, micro_batches=3, batch_size=4, layer_drop=layer_drop)
+    finally:
+        arena.close()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    [stash] = made
+    pops = [c for c in stash.calls if c[0] == "pop"]
+    assert pops  # the blocks' inputs were stashed and read back
+    for n, call in enumerate(stash.calls):
+        if call[0] == "pop":  # fetched earlier, while an earlier input computed
+            earlier = stash.calls[:n]
+            since = earlier[len(earlier) - earlier[::-1].index(("clear",)):] \
+                if ("clear",) in earlier else earlier
+            assert ("fetch", *call[1:]) in since, (call, stash.calls)
+    check_waits(stash.inner.streams.log)
+
+
+def check_waits(log):
+    """Each copy back waits (on the stash stream) for its copy out, recorded on d2h; the compute
+    stream waits for each copy back, recorded on the stash stream, before it reads it."""
+    waits = [(stream, ev) for op, stream, ev in log if op == "wait"]
+    assert {(stream, ev.stream) for stream, ev in waits} == {
+        ("d2h", "compute"), ("stash", "d2h"), ("compute", "stash")}
+    out = [ev for stream, ev in waits if stream == "stash"]
+    assert len(out) == len(set(out))  # each copy out is brought back once
+    landed = [ev for stream, ev in waits if stream == "compute"]
+    assert len(landed) == len({ev.id for ev in landed})
+    used = sum(op == "used" for op, _, _ in log)
+    assert used == len(landed)  # each entry read on the compute stream is marked so
+
+
+def test_an_entry_fetched_but_never_read_is_waited_for_before_its_buffer_is_reused():
+    s = LoggedStreams()
+    stash = HostStash(s)
+    x = (torch.randn(4, 8), torch.arange(6))
+    assert stash.put(1, 0, x) is x
+    x[0].add_(1)  # the caller's tensor may change after the copy out: the stash keeps its own
+    stash.fetch(1, 0)
+    stash.fetch(1, 0)  # once on its way, not again
+    stash.fetch(2, 0)  # not stored: nothing
+    landed = s.log[-1][2]
+    assert s.log[-1][:2] == ("record", "stash")
+    stash.clear()
+    assert s.log[-1] == ("wait", "compute", landed)
+    with pytest.raises(KeyError):
+        stash.pop(1, 0)
+
+
+def test_a_popped_entry_is_a_device_copy_with_the_boundary_structure():
+    s = LoggedStreams()
+    stash = HostStash(s)
+    x = (torch.randn(4, 8), torch.arange(6))
+    stash.put(3, 1, x)
+    want = tuple(t.clone() for t in x)
+    got = stash.pop(3, 1)
+    assert isinstance(got, tuple) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert s.log[-3][0] == "wait" and s.log[-3][1] == "compute"
+    assert [op for op, _, _ in s.log[-2:]] == ["used", "used"]
+    single = torch.randn(5)
+    stash.put(3, 1, single)
+    assert torch.equal(stash.pop(3, 1), single)
+    device = DeviceStash()
+    device.fetch(1, 0)  # nothing to do, nothing to fail
+
+
+def test_every_stream_can_be_slowed_for_the_cuda_tests():
+    from worker.faults import CYCLES_PER_US, parse_delays
+
+    assert parse_delays("copy:1,compute:2,d2h:3,copy-back:4") == {
+        p: us * CYCLES_PER_US for p, us in (("copy", 1), ("compute", 2), ("d2h", 3),
+                                             ("copy-back", 4))}
+    for bad in ("stash:5", "copy-back", "copy-back:-1"):
+        with pytest.raises(ValueError, match="POINT:MICROSECONDS"):
+            parse_delays(bad)
