@@ -15,11 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eps_server.config import OptimizerConfig
+from eps_server.optimizers import make_optimizer
 from worker.config import ModelConfig
 from worker.streams import read_only_registration_supported
 
 from .baseline import assert_close, train_resident
 from .helpers import SMALL
+from .test_optimizers import PLAN, flat_layer, random_grads, set_grad
 
 CUDA = torch.cuda.is_available()
 WHY = (f"needs a CUDA device: torch {torch.__version__} "
@@ -195,3 +198,22 @@ def test_mixed_precision_on_cuda_learns_and_tracks_fp32(tmp_path):
         assert sum(diff) / len(diff) < bound, (precision, diff)
         assert sum(run["accuracy"][-5:]) / 5 > 0.9, precision
     assert sum(fp32["accuracy"][-5:]) / 5 > 0.9
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+def test_an_optimizer_on_cuda_equals_the_same_on_the_cpu(name):
+    """The in-process baselines of the GPU benchmarks run these optimizers on CUDA buffers
+    (their step count and gradient scale must live there too). Same updates as on the CPU,
+    loss scale and compute copy included, within fp32 rounding of different kernels."""
+    cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, momentum=0.9)
+    cpu = flat_layer(torch.bfloat16)
+    gpu = [t.to("cuda") for t in cpu]
+    opts = [make_optimizer(PLAN, *bufs, cfg) for bufs in (cpu, gpu)]
+    for t in range(4):
+        g = [x * 512.0 for x in random_grads()]
+        for (_, grad, _), opt in zip((cpu, gpu), opts):
+            set_grad(grad, [x.to(grad.device) for x in g])
+            opt.step(t, lr=1e-2, grad_scale=512.0)
+    assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-6, rtol=0)
+    assert torch.equal(gpu[2], gpu[0].to(torch.bfloat16))
+    assert float(opts[1].state_tensors()["step"]) == 4

@@ -164,27 +164,6 @@ def test_adamw_chunks_match_one_call():
     assert torch.equal(a_master, b_master)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
-def test_an_optimizer_on_cuda_equals_the_same_on_the_cpu(name):
-    """The in-process baselines of the GPU benchmarks run these optimizers on CUDA buffers
-    (their step count and gradient scale must live there too). Same updates as on the CPU,
-    loss scale and compute copy included, within fp32 rounding of different kernels."""
-    cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, momentum=0.9)
-    cpu = flat_layer(torch.bfloat16)
-    gpu = [t.to("cuda") for t in cpu]
-    opts = [make_optimizer(PLAN, *bufs, cfg) for bufs in (cpu, gpu)]
-    for t in range(4):
-        g = [x * 512.0 for x in random_grads()]
-        for (_, grad, _), opt in zip((cpu, gpu), opts):
-            set_grad(grad, [x.to(grad.device) for x in g])
-            opt.step(t, lr=1e-2, grad_scale=512.0)
-    assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-6, rtol=0)
-    assert torch.equal(gpu[2], gpu[0].to(torch.bfloat16))
-    assert float(opts[1].state_tensors()["step"]) == 4
-
-
 def test_state_round_trip():
     cfg = OptimizerConfig(name="adamw", lr=1e-2)
     master, grad, _ = flat_layer()
