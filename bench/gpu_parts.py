@@ -185,6 +185,7 @@ def transfer_ratios(device: torch.device, nbytes: int, reps: int = 10, rounds: i
     from protocol.shm import Region
     from worker.streams import register_host, unregister_host
 
+    torch.cuda.set_device(device)  # the timing events are recorded on the current device
     region = Region.create(f"l2l-bench-transfer-{os.getpid()}", nbytes)
     shared, copies = region.base, {}
     try:
