@@ -10,6 +10,7 @@ a per-layer prefix (families.py maps them).
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 from torch import nn
@@ -26,6 +27,16 @@ from ..layers import sum_cross_entropy
 
 def _positions(x: torch.Tensor) -> torch.Tensor:
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+# The masks' cache argument (none here: training); older transformers name it past_key_values.
+_NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters
+             else "past_key_values": None}
+
+
+def _causal_mask(make, config, x: torch.Tensor, batch, positions: torch.Tensor):
+    return make(config=config, inputs_embeds=x, attention_mask=batch.mask,
+                position_ids=positions, **_NO_CACHE)
 
 
 # ----------------------------------------------------------------------------- BERT
@@ -91,8 +102,7 @@ class Gpt2Block(nn.Module):
         self.block = GPT2Block(config, layer_idx=0)
 
     def forward(self, x, batch):
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=batch.mask,
-                                  past_key_values=None, position_ids=_positions(x))
+        mask = _causal_mask(create_causal_mask, self.config, x, batch, _positions(x))
         return self.block(x, attention_mask=mask)
 
 
@@ -150,8 +160,7 @@ class DecoderBlock(nn.Module):
     def forward(self, x, batch):
         positions = _positions(x)
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=batch.mask,
-                         past_key_values=None, position_ids=positions)
+        mask = _causal_mask(make_mask, self.config, x, batch, positions)
         cos_sin = self.rotary_emb(x, positions)
         return self.layer(x, attention_mask=mask, position_ids=positions,
                           position_embeddings=cos_sin)
