@@ -49,7 +49,8 @@ class LoggedStreams(Streams):
         return ev
 
     def wait(self, event, stream=None):
-        self.log.append(("wait", stream or "compute", event))
+        if event is not None:
+            self.log.append(("wait", stream or "compute", event))
 
     def stall(self, point, stream=None):
         pass
@@ -59,9 +60,6 @@ class LoggedStreams(Streams):
 
     def pinned(self, shape, dtype):
         return torch.empty(shape, dtype=dtype)
-
-    def used_by_compute(self, tensor):
-        self.log.append(("used", "compute", tensor))
 
 
 class Recorded:
@@ -147,17 +145,18 @@ def test_staged_stash_trains_bitwise_as_the_device_stash(monkeypatch, kind, laye
 
 
 def check_waits(log):
-    """Each copy back waits (on the stash stream) for its copy out, recorded on d2h; the compute
-    stream waits for each copy back, recorded on the stash stream, before it reads it."""
+    """Each copy back waits (on the stash stream) for its copy out, recorded on d2h, and for
+    its device buffer's release, recorded on the compute stream; the compute stream waits for
+    each copy back, recorded on the stash stream, before it reads it."""
     waits = [(stream, ev) for op, stream, ev in log if op == "wait"]
     assert {(stream, ev.stream) for stream, ev in waits} == {
-        ("d2h", "compute"), ("stash", "d2h"), ("compute", "stash")}
-    out = [ev for stream, ev in waits if stream == "stash"]
+        ("d2h", "compute"), ("stash", "d2h"), ("stash", "compute"), ("compute", "stash")}
+    out = [ev for stream, ev in waits if stream == "stash" and ev.stream == "d2h"]
     assert len(out) == len(set(out))  # each copy out is brought back once
-    landed = [ev for stream, ev in waits if stream == "compute"]
-    assert len(landed) == len({ev.id for ev in landed})
-    used = sum(op == "used" for op, _, _ in log)
-    assert used == len(landed)  # each entry read on the compute stream is marked so
+    freed = [ev for stream, ev in waits if stream == "stash" and ev.stream == "compute"]
+    assert len(freed) == len(out)  # and each into a buffer the compute stream let go of
+    landed = [ev for stream, ev in waits if stream == "compute" and ev.stream == "stash"]
+    assert len(landed) == len(out)
 
 
 def test_an_entry_fetched_but_never_read_is_waited_for_before_its_buffer_is_reused():
@@ -185,13 +184,46 @@ def test_a_popped_entry_is_a_device_copy_with_the_boundary_structure():
     want = tuple(t.clone() for t in x)
     got = stash.pop(3, 1)
     assert isinstance(got, tuple) and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert s.log[-3][0] == "wait" and s.log[-3][1] == "compute"
-    assert [op for op, _, _ in s.log[-2:]] == ["used", "used"]
+    assert s.log[-1][:2] == ("wait", "compute")
     single = torch.randn(5)
     stash.put(3, 1, single)
     assert torch.equal(stash.pop(3, 1), single)
     device = DeviceStash()
     device.fetch(1, 0)  # nothing to do, nothing to fail
+
+
+def test_two_device_buffers_in_turn_each_refilled_after_its_entry_was_read():
+    s = LoggedStreams()
+    stash = HostStash(s)
+    xs = [torch.full((4, 8), float(i)) for i in range(3)]
+    for i, x in enumerate(xs):
+        stash.put(1, i, x)
+    first = stash.pop(1, 0)
+    stash.fetch(1, 1)
+    mark = len(s.log)
+    second = stash.pop(1, 1)  # entry 0 is read no more: its buffer is released here
+    [released] = [ev for op, stream, ev in s.log[mark:] if op == "record" and stream == "compute"]
+    mark = len(s.log)
+    stash.fetch(1, 2)  # into entry 0's buffer, once the compute stream is past its reads
+    assert ("wait", "stash", released) in s.log[mark:]
+    third = stash.pop(1, 2)
+    assert third.data_ptr() == first.data_ptr() != second.data_ptr()  # two entries on the device
+    assert torch.equal(third, xs[2]) and torch.equal(second, xs[1])
+    stash.clear()
+
+
+def test_entries_read_out_of_their_fetch_order_are_refused():
+    stash = HostStash(LoggedStreams())
+    for i in range(3):
+        stash.put(2, i, torch.randn(3))
+    stash.fetch(2, 0)
+    stash.fetch(2, 1)
+    stash.fetch(2, 2)  # both buffers hold unread entries: not now
+    with pytest.raises(RuntimeError, match="in the order they are fetched"):
+        stash.pop(2, 2)
+    stash.pop(2, 0)
+    stash.pop(2, 1)
+    stash.pop(2, 2)  # fetched at its pop
 
 
 def test_every_stream_can_be_slowed_for_the_cuda_tests():

@@ -73,16 +73,24 @@ class DeviceStash:
 
 class _Staged:
     """CUDA: entries copied out to host memory (``_copy_out``) on the d2h stream behind the
-    forward's event, and back (``fetch``, ahead of the backward that reads them: the executor
-    fetches micro-batch i+1 while i computes) on the stash stream behind the copy out's event;
-    ``pop`` makes the compute stream wait for the copy back. Neither copy holds up the compute
-    stream. A host buffer is written again only in the next step, behind an event of the
-    compute stream, which by then has waited for the copy back out of it."""
+    forward's event, and back (``fetch``) on the stash stream, behind the copy out's event,
+    into one of two device buffers used in turn, ahead of the backward that reads them (the
+    executor fetches micro-batch i+1 while i computes); ``pop`` makes the compute stream wait
+    for the copy. Neither copy holds up the compute stream, and the device holds two entries.
+
+    A popped entry may be read until the next pop: then the compute stream records that its
+    buffer is free (an event the copy that refills it waits for), as FSDP2 does rather than
+    ``record_stream``. A host buffer is written again only in the next step, behind an event
+    of the compute stream, which by then has waited for every copy back out of it."""
 
     def __init__(self, streams: Streams):
         self.streams = streams
         self._out: dict[tuple[int, int], tuple[object, object]] = {}  # (host copy, copied)
-        self._back: dict[tuple[int, int], tuple[object, object]] = {}  # (device copy, landed)
+        self._back: dict[tuple[int, int], tuple[int, object, object]] = {}  # buffer, x, landed
+        self._buffers: list[list[torch.Tensor]] = [[], []]  # one device tensor per member
+        self._freed: list[object] = [None, None]  # compute event after each buffer's last read
+        self._next = 0  # the buffer the next fetch fills
+        self._reading: int | None = None  # the buffer of the last pop
         self._inflight = _InFlight()
 
     def _copy_out(self, key: tuple[int, int], x, slots: list[torch.Tensor]) -> None:
@@ -99,32 +107,50 @@ class _Staged:
             self._inflight.add(copied, t)
 
     def fetch(self, layer: int, micro_batch: int) -> None:
-        """Start copying the entry back to the device (nothing if it is not stored, or is on
-        its way already)."""
-        key = (layer, micro_batch)
-        if key not in self._out:
+        """Start copying the entry back to the device (nothing if it is not stored, is on its
+        way already, or both buffers are taken: one being read, one fetched and not popped)."""
+        key, b = (layer, micro_batch), self._next
+        if key not in self._out or b == self._reading or any(
+                held == b for held, _, _ in self._back.values()):
             return
         stored, copied = self._out.pop(key)
         s = self.streams
+        bufs = self._buffers[b]
+        if [(t.shape, t.dtype) for t in bufs] != [(t.shape, t.dtype) for t in members(stored)]:
+            bufs = self._buffers[b] = [torch.empty(t.shape, dtype=t.dtype, device=s.device)
+                                       for t in members(stored)]
+            self._freed[b] = s.event()  # new memory: the compute stream may have used it last
         with s.on(s.stash):
             s.wait(copied, s.stash)
+            s.wait(self._freed[b], s.stash)
             s.stall("copy-back", s.stash)
-            parts = [torch.empty(t.shape, dtype=t.dtype, device=s.device) for t in members(stored)]
-            for part, t in zip(parts, members(stored)):
-                part.copy_(t, non_blocking=True)
-            self._back[key] = (shaped_like(stored, parts), s.event(s.stash))
+            for buf, t in zip(bufs, members(stored)):
+                buf.copy_(t, non_blocking=True)
+            self._back[key] = (b, shaped_like(stored, bufs), s.event(s.stash))
+        self._next = 1 - b
 
     def pop(self, layer: int, micro_batch: int):
-        self.fetch(layer, micro_batch)
-        x, landed = self._back.pop((layer, micro_batch))
+        key = (layer, micro_batch)
+        self._release()
+        self.fetch(*key)
+        if key not in self._back and key in self._out:
+            raise RuntimeError(f"stash entry {key} popped while both device buffers hold "
+                               "others: entries are read in the order they are fetched")
+        b, x, landed = self._back.pop(key)
         self.streams.wait(landed)
-        for t in members(x):
-            self.streams.used_by_compute(t)  # allocated on the stash stream
+        self._reading = b
         return x
 
+    def _release(self) -> None:
+        """The last popped entry is read no more (by work queued after now)."""
+        if self._reading is not None:
+            self._freed[self._reading] = self.streams.event()
+            self._reading = None
+
     def clear(self) -> None:
-        for _, landed in self._back.values():  # fetched, never read: the next step's copies
-            self.streams.wait(landed)          # out into their buffers must come after
+        for _, _, landed in self._back.values():  # fetched, never read: the next step's copies
+            self.streams.wait(landed)             # out into their host buffers come after
+        self._release()
         self._back.clear()
         self._out.clear()
         self._inflight.clear()

@@ -67,12 +67,6 @@ class Streams:
         """Host memory the GPU copies to and from asynchronously (page-locked on CUDA)."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
-    def used_by_compute(self, tensor: torch.Tensor) -> None:
-        """``tensor`` was allocated on a side stream and is read on the compute stream: its
-        memory must not be handed out again before the compute stream's work on it is done."""
-        if self.cuda:
-            tensor.record_stream(torch.cuda.current_stream(self.device))
-
     def on(self, stream):
         """Context: issue work on ``stream`` (no-op on CPU)."""
         return torch.cuda.stream(stream) if stream is not None else _Null()
