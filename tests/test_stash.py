@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 
 import pytest
 import torch
@@ -79,17 +80,13 @@ class Recorded:
     def pop(self, layer, i):
         self.calls.append(("pop", layer, i))
         x = self.inner.pop(layer, i)
-        assert all(t.untyped_storage().data_ptr() not in self.host_pointers()
-                   for t in (x if isinstance(x, tuple) else (x,))), "not a copy of its own"
+        device = {t.data_ptr() for buffers in self.inner._buffers for t in buffers}
+        assert all(t.data_ptr() in device for t in (x if isinstance(x, tuple) else (x,)))
         return x
 
     def clear(self):
         self.calls.append(("clear",))
         self.inner.clear()
-
-    def host_pointers(self) -> set[int]:
-        held = getattr(self.inner, "_host", {}).values()
-        return {t.untyped_storage().data_ptr() for t in held}
 
 
 class Arena:
@@ -99,7 +96,7 @@ class Arena:
         self.regions = []
 
     def stash_arena(self, nbytes):
-        name = f"l2l-test-stash-{len(self.regions)}"
+        name = f"l2l-test-stash-{os.getpid()}-{len(self.regions)}"
         unlink_prefix(name)
         self.regions.append(Region.create(name, nbytes))
         return self.regions[-1]
@@ -121,7 +118,8 @@ def test_staged_stash_trains_bitwise_as_the_device_stash(monkeypatch, kind, laye
 
     def make(_kind, source, streams, layers, micro_batches):
         s = LoggedStreams()
-        inner = HostStash(s) if kind == "host" else EpsStash(arena, s, layers, micro_batches)
+        inner = (HostStash(s, micro_batches) if kind == "host" else
+                 EpsStash(arena, s, layers, micro_batches))
         made.append(Recorded(inner))
         return made[-1]
 
@@ -161,10 +159,9 @@ def check_waits(log):
 
 def test_an_entry_fetched_but_never_read_is_waited_for_before_its_buffer_is_reused():
     s = LoggedStreams()
-    stash = HostStash(s)
+    stash = HostStash(s, 3)
     x = (torch.randn(4, 8), torch.arange(6))
     assert stash.put(1, 0, x) is x
-    x[0].add_(1)  # the caller's tensor may change after the copy out: the stash keeps its own
     stash.fetch(1, 0)
     stash.fetch(1, 0)  # once on its way, not again
     stash.fetch(2, 0)  # not stored: nothing
@@ -178,10 +175,11 @@ def test_an_entry_fetched_but_never_read_is_waited_for_before_its_buffer_is_reus
 
 def test_a_popped_entry_is_a_device_copy_with_the_boundary_structure():
     s = LoggedStreams()
-    stash = HostStash(s)
+    stash = HostStash(s, 3)
     x = (torch.randn(4, 8), torch.arange(6))
-    stash.put(3, 1, x)
     want = tuple(t.clone() for t in x)
+    stash.put(3, 1, x)
+    x[0].add_(1)  # the caller's tensor may change after the copy out: the stash keeps its own
     got = stash.pop(3, 1)
     assert isinstance(got, tuple) and all(torch.equal(a, b) for a, b in zip(got, want))
     assert s.log[-1][:2] == ("wait", "compute")
@@ -194,7 +192,7 @@ def test_a_popped_entry_is_a_device_copy_with_the_boundary_structure():
 
 def test_two_device_buffers_in_turn_each_refilled_after_its_entry_was_read():
     s = LoggedStreams()
-    stash = HostStash(s)
+    stash = HostStash(s, 3)
     xs = [torch.full((4, 8), float(i)) for i in range(3)]
     for i, x in enumerate(xs):
         stash.put(1, i, x)
@@ -213,7 +211,7 @@ def test_two_device_buffers_in_turn_each_refilled_after_its_entry_was_read():
 
 
 def test_entries_read_out_of_their_fetch_order_are_refused():
-    stash = HostStash(LoggedStreams())
+    stash = HostStash(LoggedStreams(), 3)
     for i in range(3):
         stash.put(2, i, torch.randn(3))
     stash.fetch(2, 0)
@@ -224,6 +222,34 @@ def test_entries_read_out_of_their_fetch_order_are_refused():
     stash.pop(2, 0)
     stash.pop(2, 1)
     stash.pop(2, 2)  # fetched at its pop
+
+
+def test_copies_out_left_pending_are_bounded():
+    """A host running ahead of the GPU waits for the oldest copy out beyond two layers' worth
+    (2 x micro-batches), so pending entries cannot pile up with depth."""
+
+    class Pending(Event):
+        def __init__(self):
+            super().__init__("d2h")
+            self.waited = False
+
+        def query(self):
+            return self.waited
+
+        def synchronize(self):
+            self.waited = True
+
+    s = LoggedStreams()
+    s.event = lambda stream=None, host_waits=False: Pending()
+    stash = HostStash(s, micro_batches=2)
+    added, add = [], stash._inflight.add
+    stash._inflight.add = lambda ev, tensors: (added.append(ev), add(ev, tensors))
+    for layer in range(1, 6):
+        for i in range(2):
+            stash.put(layer, i, torch.randn(3))
+    assert [ev.waited for ev in added] == [True] * 6 + [False] * 4
+    stash.clear()
+    assert all(ev.waited for ev in added)
 
 
 def test_every_stream_can_be_slowed_for_the_cuda_tests():

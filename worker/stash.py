@@ -37,14 +37,20 @@ def shaped_like(x, parts):
 class _InFlight:
     """Device tensors whose copy out runs on a side stream: each is kept alive until its copy
     is done (the caching allocator would otherwise hand its memory to the compute stream,
-    which the side-stream copy is not ordered against)."""
+    which the side-stream copy is not ordered against). At most ``limit`` copies stay pending:
+    beyond that the host waits for the oldest. Else a forward whose kernels run behind the
+    host (a GPU-bound model) would keep every layer's outputs alive, memory growing with depth
+    up to what CUDA's launch queue holds."""
 
-    def __init__(self):
+    def __init__(self, limit: int):
+        self.limit = limit
         self._q: deque = deque()
 
-    def add(self, event, tensor: torch.Tensor) -> None:
-        self._q.append((event, tensor))
-        while self._q and self._q[0][0].query():
+    def add(self, event, tensors) -> None:
+        self._q.append((event, tensors))
+        while self._q and (len(self._q) > self.limit or self._q[0][0].query()):
+            if len(self._q) > self.limit:
+                self._q[0][0].synchronize()
             self._q.popleft()
 
     def clear(self) -> None:
@@ -83,7 +89,7 @@ class _Staged:
     ``record_stream``. A host buffer is written again only in the next step, behind an event
     of the compute stream, which by then has waited for every copy back out of it."""
 
-    def __init__(self, streams: Streams):
+    def __init__(self, streams: Streams, micro_batches: int):
         self.streams = streams
         self._out: dict[tuple[int, int], tuple[object, object]] = {}  # (host copy, copied)
         self._back: dict[tuple[int, int], tuple[int, object, object]] = {}  # buffer, x, landed
@@ -91,7 +97,7 @@ class _Staged:
         self._freed: list[object] = [None, None]  # compute event after each buffer's last read
         self._next = 0  # the buffer the next fetch fills
         self._reading: int | None = None  # the buffer of the last pop
-        self._inflight = _InFlight()
+        self._inflight = _InFlight(2 * micro_batches)  # two layers' entries
 
     def _copy_out(self, key: tuple[int, int], x, slots: list[torch.Tensor]) -> None:
         s = self.streams
@@ -103,8 +109,7 @@ class _Staged:
                 slot.copy_(t, non_blocking=True)
             copied = s.event(s.d2h, host_waits=True)
         self._out[key] = (shaped_like(x, slots), copied)  # not x: it may go
-        for t in members(x):
-            self._inflight.add(copied, t)
+        self._inflight.add(copied, members(x))
 
     def fetch(self, layer: int, micro_batch: int) -> None:
         """Start copying the entry back to the device (nothing if it is not stored, is on its
@@ -159,8 +164,8 @@ class _Staged:
 class HostStash(_Staged):
     """CUDA: pinned host buffers, one per (layer, micro-batch, member), kept across steps."""
 
-    def __init__(self, streams: Streams):
-        super().__init__(streams)
+    def __init__(self, streams: Streams, micro_batches: int):
+        super().__init__(streams, micro_batches)
         self._host: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def put(self, layer: int, micro_batch: int, x):
@@ -182,7 +187,7 @@ class EpsStash(_Staged):
     forward goes on reading the arena copy; on CUDA it is staged as the host stash is."""
 
     def __init__(self, source, streams: Streams, layers: int, micro_batches: int):
-        super().__init__(streams)
+        super().__init__(streams, micro_batches)
         self.source = source
         self.layers = layers
         self.micro_batches = micro_batches
@@ -241,7 +246,7 @@ def make_stash(kind: str, source, streams: Streams, layers: int, micro_batches: 
     if kind == "device" or (kind == "host" and not streams.cuda):
         return DeviceStash()
     if kind == "host":
-        return HostStash(streams)
+        return HostStash(streams, micro_batches)
     if kind == "eps":
         return EpsStash(source, streams, layers, micro_batches)
     raise ValueError(f"unknown stash placement {kind!r}; expected one of {STASHES}")
