@@ -80,7 +80,9 @@ def gpu(a) -> dict:
     if not cuda and not a.tiny:
         raise SystemExit("on a CPU only --tiny runs (the figures are GPU figures)")
     if cuda:  # events, streams and FSDP2's mesh in this process use the current device
-        torch.cuda.set_device(torch.device(a.device))
+        from worker.streams import device_index
+
+        torch.cuda.set_device(device_index(torch.device(a.device)))
     names = [n for n in a.only.split(",") if n]
     unknown = [n for n in names if n not in PIECES]
     if unknown:

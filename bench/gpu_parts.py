@@ -183,9 +183,9 @@ def transfer_ratios(device: torch.device, nbytes: int, reps: int = 10, rounds: i
     the EPS's) and a pin_memory() tensor of the same size: median of ``rounds`` interleaved
     rounds of ``reps`` copies each, timed with CUDA events."""
     from protocol.shm import Region
-    from worker.streams import register_host, unregister_host
+    from worker.streams import device_index, register_host, unregister_host
 
-    torch.cuda.set_device(device)  # the timing events are recorded on the current device
+    torch.cuda.set_device(device_index(device))  # the timing events go on the current device
     region = Region.create(f"l2l-bench-transfer-{os.getpid()}", nbytes)
     shared, copies = region.base, {}
     try:
