@@ -100,6 +100,39 @@ def test_cuda_variant_is_bitwise_the_default_path(cluster, tmp_path, reference, 
         assert torch.equal(got[name], want), f"{variant}: {name} differs"
 
 
+DEEP = ["--layers", "5"]  # three stashed blocks (the last one keeps its graph instead)
+DEEP_VARIANTS = {
+    "stash host, slow compute": ["--stash", "host", "--cuda-delay", f"compute:{DELAY}"],
+    "stash host, slow copies back": ["--stash", "host", "--cuda-delay", f"copy-back:{DELAY}"],
+    "stash eps, slow copies out": ["--stash", "eps", "--cuda-delay", f"d2h:{DELAY}"],
+}
+
+
+@pytest.fixture(scope="module")
+def deep_reference(tmp_path_factory):
+    """Weights after 4 steps of 5 blocks, 3 micro-batches, stash on the device."""
+    from .helpers import Cluster
+
+    tmp = tmp_path_factory.mktemp("cuda-deep-ref")
+    c = Cluster(tmp)
+    try:
+        return train(c, tmp / "m.safetensors", 1, *DEEP, micro_batches=3)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("variant", list(DEEP_VARIANTS))
+def test_a_deeper_staged_stash_is_bitwise_the_device_stash(cluster, tmp_path, deep_reference,
+                                                           variant):
+    """Deep and wide enough that the stash's two device buffers are refilled many times per
+    step while the GPU runs behind the host: each copy back must wait for its buffer's
+    release and its copy out, and each read for its copy back."""
+    got = train(cluster, tmp_path / "m.safetensors", 1, *DEEP, *DEEP_VARIANTS[variant],
+                micro_batches=3)
+    for name, want in deep_reference.items():
+        assert torch.equal(got[name], want), f"{variant}: {name} differs"
+
+
 def _peak(cluster, tmp_path, layers: int, stash: str) -> int:
     summary = tmp_path / f"{stash}-{layers}.json"
     cluster.run_job(1, "--layers", str(layers), "--hidden", "64", "--heads", "4",
