@@ -1,6 +1,7 @@
 """CUDA side streams, events and host registration, with CPU fall-backs that do nothing.
 
-On CUDA, copies (weights host->device, gradients and stash device->host) run on side streams.
+On CUDA, copies (weights host->device, gradients and stash entries device->host, stash entries
+back) run on side streams.
 The handshake follows FSDP2's event discipline rather than ``record_stream``:
 - a copy into a buffer first waits on that buffer's *released* event (recorded on the compute
   stream after the last kernel that read it), then records a *ready* event;
