@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 import urllib.request
 
@@ -31,7 +32,8 @@ def test_a_running_job_is_scraped(cluster):
     assert bad.poll(10_000) and bad.recv_multipart()
     bad.close(0)
     assert scrape(port)[("l2l_eps_errors_total", (("code", "bad_message"),))] == 1
-    workers = [cluster.worker(r, 2, *SMALL, "--steps", "80") for r in range(2)]
+    # A job longer than any test: it is stopped (SIGTERM) once seen, however fast it runs.
+    workers = [cluster.worker(r, 2, *SMALL, "--steps", "1000000") for r in range(2)]
     seen = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and all(w.poll() is None for w in workers):
@@ -62,8 +64,11 @@ def test_a_running_job_is_scraped(cluster):
             worker["peak_memory_bytes"] > 0
     assert seen[("l2l_eps_learning_rate", ())] > 0 and seen[("l2l_eps_loss_scale", ())] == 1
     for w in workers:
-        assert cluster.wait(w) == 0, cluster.log(w)
-    assert cluster.wait(cluster.server, 60) == 0
+        w.terminate()  # a worker says Bye on SIGTERM
+    for w in workers:
+        assert cluster.wait(w) == 128 + signal.SIGTERM, cluster.log(w)
+    cluster.server.terminate()
+    assert cluster.wait(cluster.server, 60) == 0, cluster.log(cluster.server)
 
 
 def test_metrics_on_a_routable_address_need_insecure():
