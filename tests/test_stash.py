@@ -226,7 +226,8 @@ def test_entries_read_out_of_their_fetch_order_are_refused():
 
 def test_copies_out_left_pending_are_bounded():
     """A host running ahead of the GPU waits for the oldest copy out beyond two layers' worth
-    (2 x micro-batches), so pending entries cannot pile up with depth."""
+    (2 x micro-batches), so pending entries cannot pile up with depth; sources of finished
+    copies are let go at each pop, not kept through the backward."""
 
     class Pending(Event):
         def __init__(self):
@@ -248,6 +249,10 @@ def test_copies_out_left_pending_are_bounded():
         for i in range(2):
             stash.put(layer, i, torch.randn(3))
     assert [ev.waited for ev in added] == [True] * 6 + [False] * 4
+    for ev in added[6:8]:
+        ev.waited = True  # two copies finished meanwhile: the next pop lets their sources go
+    stash.pop(5, 0)
+    assert len(stash._inflight._q) == 2
     stash.clear()
     assert all(ev.waited for ev in added)
 

@@ -48,9 +48,14 @@ class _InFlight:
 
     def add(self, event, tensors) -> None:
         self._q.append((event, tensors))
-        while self._q and (len(self._q) > self.limit or self._q[0][0].query()):
-            if len(self._q) > self.limit:
-                self._q[0][0].synchronize()
+        while len(self._q) > self.limit:
+            self._q[0][0].synchronize()
+            self._q.popleft()
+        self.let_go()
+
+    def let_go(self) -> None:
+        """Drop the tensors whose copies are done (without waiting for any)."""
+        while self._q and self._q[0][0].query():
             self._q.popleft()
 
     def clear(self) -> None:
@@ -82,7 +87,8 @@ class _Staged:
     forward's event, and back (``fetch``) on the stash stream, behind the copy out's event,
     into one of two device buffers used in turn, ahead of the backward that reads them (the
     executor fetches micro-batch i+1 while i computes); ``pop`` makes the compute stream wait
-    for the copy. Neither copy holds up the compute stream, and the device holds two entries.
+    for the copy. Neither copy holds up the compute stream, and the device holds two entries
+    (and the sources of copies out still running: at most two layers' worth).
 
     A popped entry may be read until the next pop: then the compute stream records that its
     buffer is free (an event the copy that refills it waits for), as FSDP2 does rather than
@@ -144,6 +150,7 @@ class _Staged:
         b, x, landed = self._back.pop(key)
         self.streams.wait(landed)
         self._reading = b
+        self._inflight.let_go()  # the forward's last copies out: not kept for the whole backward
         return x
 
     def _release(self) -> None:
