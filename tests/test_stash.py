@@ -110,26 +110,37 @@ class Arena:
 CFG = ModelConfig(model="bert", layers=4, hidden=32, heads=2, seq_len=16, vocab=64, dropout=0.1)
 
 
-@pytest.mark.parametrize("kind", ["host", "eps"])
-@pytest.mark.parametrize("layer_drop", [0.0, 0.4])
-def test_staged_stash_trains_bitwise_as_the_device_stash(monkeypatch, kind, layer_drop):
-    want = train_local_l2l(CFG, steps=3, micro_batches=3, batch_size=4, layer_drop=layer_drop)
-    made, arena = [], Arena()
-
-    def make(_kind, source, streams, layers, micro_batches):
-        s = LoggedStreams()
-        inner = (HostStash(s, micro_batches) if kind == "host" else
-                 EpsStash(arena, s, layers, micro_batches))
-        made.append(Recorded(inner))
-        return made[-1]
-
-    monkeypatch.setattr(worker.executor, "make_stash", make)
+def train_through(monkeypatch, cfg: ModelConfig, micro_batches: int, layer_drop: float, make,
+                  during=contextlib.nullcontext) -> None:
+    """Train ``cfg`` in-process twice, with the device stash and with the stash that
+    ``make(arena, layers, micro_batches)`` returns (the run inside ``during()``): bitwise equal."""
+    want = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=4,
+                           layer_drop=layer_drop)
+    arena = Arena()
+    monkeypatch.setattr(worker.executor, "make_stash",
+                        lambda _kind, source, streams, layers, u: make(arena, layers, u))
     try:
-        got = train_local_l2l(CFG, steps=3, micro_batches=3, batch_size=4, layer_drop=layer_drop)
+        with during():
+            got = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=4,
+                                  layer_drop=layer_drop)
     finally:
         arena.close()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("kind", ["host", "eps"])
+@pytest.mark.parametrize("layer_drop", [0.0, 0.4])
+def test_staged_stash_trains_bitwise_as_the_device_stash(monkeypatch, kind, layer_drop):
+    made = []
+
+    def make(arena, layers, micro_batches):
+        s = LoggedStreams()
+        made.append(Recorded(HostStash(s, micro_batches) if kind == "host" else
+                             EpsStash(arena, s, layers, micro_batches)))
+        return made[-1]
+
+    train_through(monkeypatch, CFG, 3, layer_drop, make)
     [stash] = made
     pops = [c for c in stash.calls if c[0] == "pop"]
     assert pops  # the blocks' inputs were stashed and read back

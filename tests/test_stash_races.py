@@ -14,13 +14,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import worker.executor
 from worker.config import ModelConfig
 from worker.stash import EpsStash, HostStash
-from worker.streams import Streams
 
-from .baseline import train_local_l2l
-from .test_stash import Arena
+from . import test_stash
 
 STREAMS = ("compute", "d2h", "stash")
 
@@ -58,23 +55,18 @@ class HappensBefore:
                 self.accesses[k].append((me, now, write, op))
 
 
-class Event:
+class Event(test_stash.Event):
     def __init__(self, hb: HappensBefore, stream: str):
+        super().__init__(stream)
         self.clock = dict(hb.clock[stream])
-        self.stream = stream
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
 
 
-class ClockedStreams(Streams):
+class ClockedStreams(test_stash.LoggedStreams):
+    """Events carry clocks, waits merge them; work runs on the stream ``on`` names."""
+
     def __init__(self, hb: HappensBefore):
-        super().__init__(torch.device("cpu"))
-        self.cuda, self.hb = True, hb
-        self.h2d, self.d2h, self.stash = "h2d", "d2h", "stash"
+        super().__init__()
+        self.hb = hb
 
     def event(self, stream=None, host_waits=False):
         return Event(self.hb, stream or "compute")
@@ -85,9 +77,6 @@ class ClockedStreams(Streams):
             return
         for s in STREAMS:
             self.hb.clock[me][s] = max(self.hb.clock[me][s], event.clock[s])
-
-    def stall(self, point, stream=None):
-        pass
 
     @contextlib.contextmanager
     def on(self, stream):
@@ -148,24 +137,15 @@ def watched(stash, hb: HappensBefore):
 
 def races(monkeypatch, kind: str, model: str, micro_batches: int, layer_drop: float,
           dropped=None) -> list:
-    hb, arena = HappensBefore(dropped), Arena()
+    hb = HappensBefore(dropped)
 
-    def make(_kind, source, streams, layers, u):
+    def make(arena, layers, u):
         s = ClockedStreams(hb)
         return watched(HostStash(s, u) if kind == "host" else EpsStash(arena, s, layers, u), hb)
 
     cfg = ModelConfig(model=model, layers=5, hidden=32, heads=2, seq_len=16, vocab=64,
                       dropout=0.1)
-    want = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=4,
-                           layer_drop=layer_drop)
-    monkeypatch.setattr(worker.executor, "make_stash", make)
-    try:
-        with Ops(hb):
-            got = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=4,
-                                  layer_drop=layer_drop)
-    finally:
-        arena.close()
-    assert all(torch.equal(got[name], want[name]) for name in want)
+    test_stash.train_through(monkeypatch, cfg, micro_batches, layer_drop, make, lambda: Ops(hb))
     seen = {stream for accesses in hb.accesses.values() for stream, *_ in accesses}
     assert seen == set(STREAMS)  # each stream was watched touching the stash's buffers
     return hb.races
