@@ -19,7 +19,7 @@ from worker.config import ModelConfig
 from worker.data import Sharder, build_task
 from worker.memory import private_rss
 from worker.models import build_model
-from worker.models.base import param_group
+from worker.models.base import optimizer_groups
 
 from .common import median, steady_step_seconds, sync, timed_steps
 
@@ -64,12 +64,8 @@ def resident_fit(mcfg: ModelConfig, precision: str, device: str, cap: int, *, st
     dev = torch.device(device)
     with capped(dev, cap):
         net = build_model(mcfg).assemble().train().to(dev)
-        groups: dict[str, list] = {"decay": [], "no_decay": []}
-        for name, p in net.named_parameters():
-            groups[param_group(name, p)].append(p)
-        opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": 0.01},
-                                 {"params": groups["no_decay"], "weight_decay": 0.0}],
-                                lr=1e-4, fused=True)
+        opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), 0.01), lr=1e-4,
+                                fused=True)
         task = build_task(build_model(mcfg))
 
         def stepper(batch_size: int):

@@ -13,7 +13,7 @@ from worker.config import ModelConfig
 from worker.data import Sharder, build_task
 from worker.executor import Executor
 from worker.models import build_model
-from worker.models.base import param_group
+from worker.models.base import optimizer_groups
 
 from .common import timed_steps
 
@@ -80,12 +80,7 @@ def resident_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: 
                           device="cpu") -> float:
     """All layers resident, gradient accumulation over the micro-batches, fused AdamW."""
     net = build_model(mcfg).assemble().train().to(device)
-    groups: dict[str, list] = {"decay": [], "no_decay": []}
-    for name, p in net.named_parameters():
-        groups[param_group(name, p)].append(p)
-    opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": 0.01},
-                             {"params": groups["no_decay"], "weight_decay": 0.0}],
-                            lr=lr, fused=True)
+    opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), 0.01), lr=lr, fused=True)
     sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
 
     def step(i: int) -> None:

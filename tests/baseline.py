@@ -7,27 +7,24 @@ import torch
 from worker.config import ModelConfig
 from worker.data import Sharder, build_task
 from worker.models import build_model
-from worker.models.base import param_group
+from worker.models.base import optimizer_groups
 
 
 def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, batch_size: int,
                    lr: float = 1e-3, weight_decay: float = 0.01, optimizer: str = "adamw",
-                   momentum: float = 0.0, skips=lambda step: frozenset(), device="cpu"
-                   ) -> dict[str, torch.Tensor]:
+                   momentum: float = 0.0, skips=lambda step: frozenset(), device="cpu",
+                   losses: list[float] | None = None) -> dict[str, torch.Tensor]:
     """All layers resident, gradient accumulation over the global micro-batches in order,
     one torch optimizer step per step; biases and norm scales without weight decay.
     ``skips(step)``: blocks that step leaves out (their parameters get no gradient, so torch's
     optimizer leaves them and their state alone). On CUDA: TF32 off (fp32 matmuls in full
-    precision, as the workers run them); the weights come back on the CPU."""
+    precision, as the workers run them); the weights come back on the CPU. ``losses``: each
+    step's loss (summed over its micro-batches) is appended to it."""
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     net = build_model(mcfg).assemble().to(device).train()
-    groups: dict[str, list] = {"decay": [], "no_decay": []}
-    for name, p in net.named_parameters():
-        groups[param_group(name, p)].append(p)
-    param_groups = [{"params": groups["decay"], "weight_decay": weight_decay},
-                    {"params": groups["no_decay"], "weight_decay": 0.0}]
+    param_groups = optimizer_groups(net.named_parameters(), weight_decay)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(param_groups, lr=lr)
     else:
@@ -35,10 +32,14 @@ def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, 
     sharder = Sharder(build_task(build_model(mcfg)), batch_size, global_micro_batches)
     for step in range(steps):
         opt.zero_grad()
+        total = 0.0
         for index, batch in enumerate(sharder.batches(step, range(global_micro_batches))):
             loss, _ = net(batch.to(device), rng=(mcfg.seed, step, index), skip=skips(step))
             loss.backward()
+            total += loss.item()
         opt.step()
+        if losses is not None:
+            losses.append(total)
     return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
 

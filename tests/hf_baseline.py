@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from worker.config import DataConfig, ModelConfig
 from worker.data import Sharder, build_task
 from worker.models import build_model
-from worker.models.base import dropout_seed, param_group
+from worker.models.base import dropout_seed, optimizer_groups
 
 
 def _stage_modules(hf, model_type: str) -> list:
@@ -44,11 +44,7 @@ def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, bat
 
     for layer, module in enumerate(_stage_modules(hf, config.model_type)):
         module.register_forward_pre_hook(reseed(layer))
-    groups = {"decay": [], "no_decay": []}
-    for name, p in hf.named_parameters():
-        groups[param_group(name, p)].append(p)
-    opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": weight_decay},
-                             {"params": groups["no_decay"], "weight_decay": 0.0}], lr=lr)
+    opt = torch.optim.AdamW(optimizer_groups(hf.named_parameters(), weight_decay), lr=lr)
     task = build_task(layered, data, micro_batch_size=batch_size,
                       global_micro_batches=micro_batches)
     sharder = Sharder(task, batch_size, micro_batches)

@@ -97,6 +97,16 @@ def param_group(name: str, p: torch.Tensor) -> str:
     return "decay" if p.ndim >= 2 else "no_decay"
 
 
+def optimizer_groups(named_parameters, weight_decay: float) -> list[dict]:
+    """torch optimizer parameter groups as the EPS's per-layer optimizers have them: weight
+    decay for matrices only (the reference every resident baseline and peer trains with)."""
+    groups: dict[str, list] = {"decay": [], "no_decay": []}
+    for name, p in named_parameters:
+        groups[param_group(name, p)].append(p)
+    return [{"params": groups["decay"], "weight_decay": weight_decay},
+            {"params": groups["no_decay"], "weight_decay": 0.0}]
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Build modules whose parameters are moved to the meta device as they are registered
