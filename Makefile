@@ -50,7 +50,16 @@ finetune: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-test-slow: $(STAMP)
+# The slow set also runs the DeepSpeed peer on its CPU accelerator: DeepSpeed installed as pure
+# Python (its CPU ops compile at first use), pinned to what the GPU check carries.
+DEEPSPEED := deepspeed==0.19.8
+PEERS_STAMP := $(VENV)/.peers
+
+$(PEERS_STAMP): $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "$(DEEPSPEED)"
+	touch $@
+
+test-slow: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m pytest -m slow
 
 gpu-check:
@@ -64,7 +73,7 @@ gpu-wheels:
 # DeepSpeed for the peers benchmark: a pure-Python wheel built here (its CPU Adam compiles at
 # first use there, with the GPU machine's compiler) and what it needs that such images lack.
 gpu-wheels-deepspeed: $(STAMP)
-	DS_BUILD_OPS=0 $(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEELS) deepspeed==0.19.8
+	DS_BUILD_OPS=0 $(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEELS) "$(DEEPSPEED)"
 	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d $(WHEELS) pydantic hjson

@@ -273,11 +273,14 @@ def bench_peers(a) -> dict:
     mcfg = ModelConfig(**m, seq_len=seq, dropout=0.1)
     title = (f"peers: BERT L={m['layers']} H={m['hidden']} T={seq}, u={u} x B={mbs} per step, "
              f"{'bf16' if not a.tiny else 'fp32'}")
-    headers = ["system", "samples/s", "peak GiB", "l2l speed-up"]
+    # the last step's loss: the same model, data and AdamW give the same losses (to rounding
+    # in fp32; close in bf16, whose casts differ by system)
+    headers = ["system", "samples/s", "peak GiB", "l2l speed-up", "last loss"]
     names = [n for n in a.peers.split(",") if n]
     absent = {n: why for n in names if (why := missing(n))}
     if len(absent) == len(names):  # nothing to compare with: spare the L2L job
-        return {"table": table(title, headers, [[n, "-", "-", w] for n, w in absent.items()]),
+        return {"table": table(title, headers,
+                               [[n, "-", "-", w, "-"] for n, w in absent.items()]),
                 "systems": {n: {"error": w} for n, w in absent.items()}, "targets": [],
                 "skipped": "; ".join(absent.values())}
     # The peers' optimizers run on the host in this process (FSDP2's AdamW, DeepSpeed's CPU
@@ -287,10 +290,10 @@ def bench_peers(a) -> dict:
     for p in ("fp32",) if a.tiny else ("bf16",):
         s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p, extra=["--stash", "host"])
         mine = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
-                "peak_bytes": peak_bytes(s)}
+                "peak_bytes": peak_bytes(s), "losses": s["losses"]}
         out["l2l"] = mine
         rows.append(["l2l (EPS + 1 worker)", mine["samples_per_sec"], mine["peak_bytes"] / GIB,
-                     1.0])
+                     1.0, s["losses"][-1]])
         for name in names:
             try:
                 r = PEERS[name](mcfg, micro_batches=u, batch_size=mbs, steps=a.steps,
@@ -299,10 +302,10 @@ def bench_peers(a) -> dict:
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
             out[name] = r
             if "error" in r:
-                rows.append([name, "-", "-", r["error"][:60]])
+                rows.append([name, "-", "-", r["error"][:60], "-"])
             else:
                 rows.append([name, r["samples_per_sec"], r["peak_bytes"] / GIB,
-                             mine["samples_per_sec"] / r["samples_per_sec"]])
+                             mine["samples_per_sec"] / r["samples_per_sec"], r["losses"][-1]])
     return {"table": table(title, headers, rows), "systems": out, "targets": []}
 
 

@@ -7,8 +7,11 @@ global batch, AdamW, per-block activation checkpointing) trained by
     deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
                (DeepSpeedCPUAdam, built at first use), if it is installed
 
-Each returns samples/s and peak device memory. On a CPU (tiny models, --tiny) FSDP2 runs
-without offload on gloo, which checks the harness; DeepSpeed needs CUDA.
+Both train with AdamW (lr 1e-4, weight decay 0.01 on matrices only, as l2l's EPS) on the sum of
+the micro-batches' gradients. Each returns samples/s, peak device memory and every step's loss
+(summed over its micro-batches). On a CPU (tiny models, --tiny) they check the harness: FSDP2
+runs without offload on gloo; DeepSpeed where its accelerator is the CPU (no CUDA device, or
+DS_ACCELERATOR=cpu), with its CPU Adam and parameter offload as on a GPU.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from torch import nn
 from worker.config import ModelConfig
 from worker.data import Sharder, build_task
 from worker.models import build_model
+from worker.models.base import optimizer_groups
 
 from .common import timed_steps
+
+LR, WEIGHT_DECAY = 1e-4, 0.01
 
 
 def missing(name: str) -> str:
@@ -86,22 +92,26 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
         for block in net.blocks:
             fully_shard(block, **kw)
         fully_shard(net, **kw)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01)
+        opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), WEIGHT_DECAY), lr=LR)
         sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+        losses: list[float] = []
 
         def step(i: int) -> None:
+            total = torch.zeros((), device=dev)
             for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
                 loss, _ = net(batch.to(dev), rng=(mcfg.seed, i, index), checkpoint=True)
                 loss.backward()
+                total += loss.detach()
             opt.step()
             opt.zero_grad()
+            losses.append(total.item())  # the step's end: timed_steps synchronizes there too
 
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         seconds = timed_steps(step, steps, warmup, dev)
         return {"samples_per_sec": micro_batches * batch_size / seconds,
                 "step_seconds": seconds, "peak_bytes": int(_peak(dev)),
-                "offload": "CPUOffloadPolicy" if cuda else "none (CPU)"}
+                "offload": "CPUOffloadPolicy" if cuda else "none (CPU)", "losses": losses}
     finally:
         dist.destroy_process_group()
 
@@ -119,17 +129,21 @@ class _Loss(nn.Module):
 
 def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
               warmup: int, device: str, precision: str) -> dict:
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise RuntimeError("DeepSpeed ZeRO-3 offload needs CUDA")
     import deepspeed as ds  # an ImportError says it is not installed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_port()))
+    dev = torch.device(device)
+    if get_accelerator().device_name() != dev.type:
+        raise RuntimeError(f"DeepSpeed's accelerator is {get_accelerator().device_name()!r}, "
+                           f"not {dev.type!r}: ZeRO-3 offload needs CUDA, or DS_ACCELERATOR=cpu "
+                           "on a CPU")
+    os.environ.update(RANK="0", LOCAL_RANK=str(dev.index or 0), WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
     config = {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": micro_batches,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": {"stage": 3,
                               "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
@@ -137,20 +151,31 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         "steps_per_print": 1 << 30,
     }
     net = _Loss(build_model(mcfg).assemble().train(), mcfg.seed)
-    engine, _, _, _ = ds.initialize(model=net, model_parameters=net.parameters(),
-                                    config=config)
-    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+    try:
+        engine, _, _, _ = ds.initialize(
+            model=net, config=config,
+            model_parameters=optimizer_groups(net.named_parameters(), WEIGHT_DECAY))
+        sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+        losses: list[float] = []
 
-    def step(i: int) -> None:
-        for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
-            loss = engine(batch.to(dev), (mcfg.seed, i, index))
-            engine.backward(loss)
-            engine.step()  # updates once every gradient_accumulation_steps calls
+        def step(i: int) -> None:
+            total = torch.zeros((), device=dev)
+            for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
+                loss = engine(batch.to(dev), (mcfg.seed, i, index))
+                engine.backward(loss, scale_wrt_gas=False)  # summed, as the others do
+                engine.step()  # updates once every gradient_accumulation_steps calls
+                total += loss.detach()
+            losses.append(total.item())
 
-    torch.cuda.reset_peak_memory_stats(dev)
-    seconds = timed_steps(step, steps, warmup, dev)
-    return {"samples_per_sec": micro_batches * batch_size / seconds, "step_seconds": seconds,
-            "peak_bytes": int(_peak(dev)), "version": ds.__version__}
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        seconds = timed_steps(step, steps, warmup, dev)
+        return {"samples_per_sec": micro_batches * batch_size / seconds,
+                "step_seconds": seconds, "peak_bytes": int(_peak(dev)),
+                "version": ds.__version__, "losses": losses}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 PEERS = {"fsdp2": fsdp2, "deepspeed": deepspeed}

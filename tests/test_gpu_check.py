@@ -5,6 +5,7 @@ rare GPU session)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -68,23 +69,46 @@ def test_trace_split_counts_nested_spans_once(tmp_path):
     assert depth_flat({24: 100, 384: 104, 48: 101}) == pytest.approx(1.04)
 
 
+def peer_trains_the_resident_model(name: str) -> None:
+    """Peer ``name`` (fp32, on the CPU) takes the resident model's steps: the same data,
+    dropout, gradient sum and AdamW, so the same losses (rounding aside: 3 steps, the last two
+    after updates). Its samples/s then compare like with like."""
+    from bench.gpu import TINY
+    from bench.peers import LR, PEERS
+    from worker.config import ModelConfig
+
+    from .baseline import train_resident
+
+    mcfg = ModelConfig(**TINY, seq_len=16, dropout=0.1)
+    want: list[float] = []
+    train_resident(mcfg, steps=3, global_micro_batches=2, batch_size=2, lr=LR, losses=want)
+    r = PEERS[name](mcfg, micro_batches=2, batch_size=2, steps=2, warmup=1, device="cpu",
+                    precision="fp32")
+    assert r["samples_per_sec"] > 0 and r["peak_bytes"] > 0
+    assert r["losses"] == pytest.approx(want, rel=1e-6), (r["losses"], want)
+    assert want[0] != want[1] != want[2]  # the updates changed what the model computes
+
+
 def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
     """The resident baseline's batch search and FSDP2 in one process (the peers' runner) work
     with a tiny model; the jobs of every piece run in the slow test below."""
     from bench.gpu import TINY
     from bench.gpu_parts import resident_fit
-    from bench.peers import PEERS
     from worker.config import ModelConfig
 
     mcfg = ModelConfig(**TINY, seq_len=16, dropout=0.1)
     fit = resident_fit(mcfg, "fp32", "cpu", 0, steps=1, warmup=1, limit=2)
     assert fit["batch"] == 2 and fit["samples_per_sec"] > 0 and fit["peak_bytes"] > 0
-    r = PEERS["fsdp2"](mcfg, micro_batches=2, batch_size=2, steps=1, warmup=1, device="cpu",
-                       precision="fp32")
-    assert r["samples_per_sec"] > 0
-    with pytest.raises(RuntimeError, match="needs CUDA"):
-        PEERS["deepspeed"](mcfg, micro_batches=2, batch_size=2, steps=1, warmup=1,
-                           device="cpu", precision="fp32")
+    peer_trains_the_resident_model("fsdp2")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_offload_trains_the_resident_model_on_cpu():
+    """DeepSpeed's runner (ZeRO-3, parameters and optimizer offloaded, its CPU Adam) on its CPU
+    accelerator: the configuration and calls the GPU check makes, short of CUDA. Its first use
+    compiles DeepSpeed's CPU ops (about 2 minutes on 2 cores; cached afterwards)."""
+    pytest.importorskip("deepspeed", reason="make test-slow installs DeepSpeed")
+    peer_trains_the_resident_model("deepspeed")
 
 
 def test_a_piece_stopped_by_the_budget_keeps_its_rows_and_leaves_nothing_behind(tmp_path):
@@ -125,7 +149,8 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     """`--tiny`: every part with tiny models on the CPU, as on a GPU machine: the CUDA tests
     (all skip here), then every benchmark piece (the paper table's resident batch search and
     L2L jobs, memory by depth, the overhead against the local loop, MFU from a traced job,
-    FSDP2 beside an L2L job; DeepSpeed is not installed). OUT gets three files."""
+    FSDP2 and, where installed (make test-slow), DeepSpeed beside an L2L job). OUT gets three
+    files."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bench.gpucheck", "--tiny", "--out", str(out),
                         "--budget", "900"], cwd=ROOT, env=ENV, capture_output=True,
@@ -139,8 +164,15 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     for name, piece in pieces.items():
         assert "error" not in piece and "stopped" not in piece and "not_run" not in piece, \
             (name, piece)
-    assert pieces["fsdp2"]["systems"]["fsdp2"]["samples_per_sec"] > 0
-    assert "not installed" in pieces["deepspeed"]["skipped"]
+    peers = ["fsdp2"]
+    if importlib.util.find_spec("deepspeed") is None:
+        assert "not installed" in pieces["deepspeed"]["skipped"]
+    else:
+        peers.append("deepspeed")
+    for name in peers:  # fp32 here: the peer and the L2L job take the same steps
+        systems = pieces[name]["systems"]
+        assert systems[name]["samples_per_sec"] > 0, systems
+        assert systems[name]["losses"] == pytest.approx(systems["l2l"]["losses"], rel=1e-5)
     assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
@@ -173,11 +205,14 @@ def test_under_xdist_the_whole_run_is_checked_for_leaked_shared_memory(tmp_path)
     pytest.importorskip("xdist")
     name = f"l2l-xdisttest-{os.getpid()}"
     (tmp_path / "test_leaky.py").write_text(LEAKY.format(pid=os.getpid()))
+    # a controller of its own, also when this test runs in an xdist worker
+    inner_env = {k: v for k, v in ENV.items() if not k.startswith("PYTEST_XDIST")}
+    inner_env.update(PYTHONPATH=str(ROOT))
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",
                             "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                             str(tmp_path / "test_leaky.py")], cwd=tmp_path,
-                           env=dict(ENV, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                           env=inner_env, capture_output=True, text=True,
                            timeout=120)
         assert "2 passed" in r.stdout and r.returncode == 1, r.stdout + r.stderr
         assert f"shared memory leaked by the tests: ['{name}-leaked']" in r.stdout, r.stdout
