@@ -59,12 +59,13 @@ def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) 
 
 
 def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_size: int,
-                    lr: float = 1e-3, data=None, layer_drop: float = 0.0
+                    lr: float = 1e-3, data=None, layer_drop: float = 0.0, source=None
                     ) -> dict[str, torch.Tensor]:
     """The L2L executor in this process against weights held locally (bench.local.LocalSource,
-    the same per-layer AdamW as the EPS): the loop without the server. Returns the assembled
-    model's state dict names (a tied tensor under each of its names), or for an hf: model the
-    checkpoint's names (each tensor once)."""
+    the same per-layer AdamW as the EPS): the loop without the server. ``source(model, layout,
+    OptimizerConfig)``: another layer source, with the final weights in ``.flats``. Returns the
+    assembled model's state dict names (a tied tensor under each of its names), or for an hf:
+    model the checkpoint's names (each tensor once)."""
     from bench.local import LocalSource
     from eps_server.config import OptimizerConfig
     from protocol.tensors import named_views, plan_layout
@@ -72,7 +73,7 @@ def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_
 
     model = build_model(mcfg)
     layout = plan_layout(model.manifest())
-    source = LocalSource(model, layout, OptimizerConfig(lr=lr))
+    source = (source or LocalSource)(model, layout, OptimizerConfig(lr=lr))
     task = build_task(model, data, micro_batch_size=batch_size, global_micro_batches=micro_batches)
     ex = Executor(model, layout, source, Sharder(task, batch_size, micro_batches),
                   device=torch.device("cpu"), micro_batches=range(micro_batches), steps=steps,
