@@ -131,7 +131,9 @@ class DeviceCopyWeights(WeightPath):
         n = self.layout.max_layer_numel
         self.buffers = [torch.empty(n, dtype=DTYPES[compute_dtype], device=device)
                         for _ in range(2)]
-        self._released: list = [None, None]  # per buffer: event after its last reader
+        # per buffer: event after its last reader; at first after its allocation (new memory
+        # may be what compute-stream work still queued was freed from)
+        self._released: list = [self.streams.event(), self.streams.event()]
         self._free = [0, 1]
         self._copier = self.streams.thread_pool("l2l-prefetch")
 
