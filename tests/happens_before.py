@@ -11,6 +11,11 @@ Agents are the CUDA streams (by name) and the host threads. Each has a vector cl
 Two accesses to a watched buffer by different agents, one of them a write, must be ordered,
 or it is a race the GPU could lose. ``dropped`` = (waiting agent, event's stream) skips such
 waits ("host" for synchronizations), to show that the check sees a missing one.
+
+Limits: it checks the one run it watches (copies are done when issued, so the order in which
+the host learns of things is one the GPU may not repeat: edges that only this order gives can
+hide a missing wait); side streams are named by role (h2d, d2h, stash), so one run clocks one
+Streams per role; the caching allocator is not modelled (what new memory was before).
 """
 
 from __future__ import annotations
@@ -43,11 +48,17 @@ class HappensBefore:
         self.dropped = dropped
 
     def host(self) -> str:
-        return f"{HOST} {threading.current_thread().name}"
+        thread = threading.current_thread()
+        return f"{HOST} {thread.name} {thread.ident}"
 
     def agent(self) -> str:
         agent = getattr(self.local, "agent", None) or "compute"
         return self.host() if agent == HOST else agent
+
+    def stream(self) -> str:
+        """The thread's current stream (CUDA's default for events and waits)."""
+        agent = getattr(self.local, "agent", None)
+        return agent if agent not in (None, HOST) else "compute"
 
     @contextlib.contextmanager
     def on(self, stream: str):
@@ -74,8 +85,12 @@ class HappensBefore:
         """One op of the current agent reading (or writing: True) each tensor."""
         with self.lock:
             me = self.agent()
-            clock = self._issued(me)
-            clock[me] += 1
+            self.op_as(me, self._issued(me), touched, op)
+
+    def op_as(self, me: str, clock: dict[str, int], touched, op: str) -> None:
+        """One op of agent ``me``, whose clock is ``clock`` (ticked)."""
+        with self.lock:
+            clock[me] = clock.get(me, 0) + 1
             now = dict(clock)
             for t, write in touched:
                 if isinstance(t, torch.Tensor) and t.numel():
@@ -112,6 +127,21 @@ class HappensBefore:
         if clock:
             with self.lock:
                 _merge(self.clocks[self.host()], clock)
+
+    @contextlib.contextmanager
+    def knowing(self, clock: dict[str, int] | None):
+        """This thread knows ``clock`` too, for the time being (a callback run for one reply,
+        in a thread that serves many)."""
+        with self.lock:
+            before = dict(self.clocks[self.host()])
+        self.receive(clock)
+        try:
+            yield
+        finally:
+            with self.lock:
+                mine = self.clocks[self.host()]
+                mine.clear()
+                mine.update(before)
 
     def seen(self) -> set[str]:
         """The agents that touched a watched buffer."""
@@ -181,11 +211,11 @@ class ClockedStreams(test_stash.LoggedStreams):
         self.hb = hb
 
     def event(self, stream=None, host_waits=False):
-        return Event(self.hb, stream or "compute")
+        return Event(self.hb, stream or self.hb.stream())
 
     def wait(self, event, stream=None):
         if event is not None:
-            self.hb.wait(stream or "compute", event)
+            self.hb.wait(stream or self.hb.stream(), event)
 
     def on(self, stream):
         return self.hb.on(stream)

@@ -22,12 +22,12 @@ import torch
 import worker.grads
 import worker.weights
 from eps_server.optimizers import make_optimizer
-from protocol.messages import GradAck, LayerReady
+from protocol.messages import GradAck, LayerReady, RegionInfo
 from worker.config import ModelConfig
 from worker.grads import DeviceGrads, ToFrame, ToSlot
 from worker.regions import SlotRing, frombuffer
 from worker.source import EpsSource
-from worker.weights import DeviceCopyWeights, FetchLocator
+from worker.weights import BoardLocator, DeviceCopyWeights, FetchLocator
 
 from .baseline import train_local_l2l
 from .happens_before import HOST, ClockedStreams, HappensBefore, Ops
@@ -35,23 +35,43 @@ from .happens_before import HOST, ClockedStreams, HappensBefore, Ops
 SLOTS = 2
 
 
+class Reply(Future):
+    """An EPS answer: whoever sees it done (a waiter, a callback) learns the clock of the work
+    it answers for, and no more (the EPS's other messages are not behind it by design)."""
+
+    def __init__(self, hb: HappensBefore):
+        super().__init__()
+        self.hb, self.clock = hb, None
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(lambda f: self._in_the_know(fn, f))
+
+    def _in_the_know(self, fn, f) -> None:
+        with self.hb.knowing(self.clock):
+            fn(f)
+
+
 class ThreadEps:
-    """The EPS side of EpsClient (fetch, push_grad, wait) as one thread serving a queue: what
-    reaches it carries the sender's clock, its answers carry its own. With ``shared`` slots
-    (shm) it also serves the weights in place, as regions: the worker copies them to the device
-    from where the EPS updates them (``get``/``tensor``: worker.regions.Regions' part)."""
+    """The EPS side of EpsClient (fetch, push_grad, wait) as one thread serving a queue. Each
+    message is handled as an agent of its own, knowing what its sender knew and what made the
+    version it reads or replaces; its reply carries that. With ``shared`` slots (shm) the
+    weights are served in place (``get``/``tensor``: worker.regions.Regions' part) and their
+    versions on a board (``board[layer]``: the version read and what made it learned)."""
 
     def __init__(self, hb: HappensBefore, model, layout, opt, shared=None):
         self.hb, self.layout, self.lr, self.shared = hb, layout, opt.lr, shared
-        self.served = torch.cat([model.init_flat(p.index, p) for p in layout.layers])
-        self.offsets = [sum(q.numel for q in layout.layers[:p.index]) for p in layout.layers]
-        self.flats = [self.tensor(torch.float32, o, p.numel)
-                      for o, p in zip(self.offsets, layout.layers)]
+        self.served = torch.zeros(layout.total_numel)
+        self.flats = [self.tensor(torch.float32, p.offset, p.numel) for p in layout.layers]
+        for p, flat in zip(layout.layers, self.flats):
+            flat.copy_(model.init_flat(p.index, p))
         self.grads = [torch.zeros(p.numel) for p in layout.layers]
         self.opts = [make_optimizer(p, f, g, None, opt) for p, f, g in
                      zip(layout.layers, self.flats, self.grads)]
         self.versions = [0] * len(layout.layers)
-        self.asked: list[tuple[int, int, Future]] = []  # fetches of versions to come
+        self.made: list[dict] = [{} for _ in layout.layers]  # clock of each layer's version
+        self.asked: list[tuple[int, int, dict, Reply]] = []  # fetches of versions to come
+        self.messages = 0
+        self.board = self  # board[layer]
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name="eps", daemon=True)
         self.thread.start()
@@ -71,60 +91,76 @@ class ThreadEps:
     def tick(self) -> None:
         pass
 
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(60)
+
+    # the worker's Regions and version board
     def get(self, region: str):
         return self
 
     def tensor(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
         return self.served[offset:offset + numel]
 
-    def close(self) -> None:
-        self.inbox.put(None)
-        self.thread.join(60)
+    def __getitem__(self, layer: int) -> int:
+        version, made = self.versions[layer], self.made[layer]  # the EPS writes made first
+        self.hb.receive(made)
+        return version
 
     def _send(self, handler, *args) -> Future:
-        fut: Future = Future()
+        fut = Reply(self.hb)
         self.inbox.put((self.hb.send(), handler, args, fut))
         return fut
 
     def _serve(self) -> None:
         while (item := self.inbox.get()) is not None:
             clock, handler, args, fut = item
-            self.hb.receive(clock)
+            self.messages += 1
             try:
-                handler(*args, fut)
+                handler(*args, f"eps #{self.messages}", clock, fut)
             except BaseException as e:  # the worker's wait raises it
                 fut.set_exception(e)
 
-    def _answer(self, fut: Future, result) -> None:
-        fut.clock = self.hb.send()
-        fut.set_result(result)
-
-    def _fetch(self, layer: int, version: int, fut: Future) -> None:
+    def _fetch(self, layer: int, version: int, me: str, clock: dict, fut: Reply) -> None:
         if self.versions[layer] < version:
-            self.asked.append((layer, version, fut))  # answered once the update is in
+            self.asked.append((layer, version, clock, fut))  # answered once the update is in
             return
         flat, shm = self.flats[layer], self.shared is not None
         ready = LayerReady(req_id=0, layer=layer, version=self.versions[layer],
-                           region="served" if shm else "", offset=self.offsets[layer] * 4,
+                           region="served" if shm else "", offset=layer_offset(self, layer),
                            nbytes=flat.numel() * 4, dtype="float32")
-        self._answer(fut, (ready, [] if shm else [flat.numpy().tobytes()]))
+        fut.clock = joined(clock, self.made[layer])
+        fut.set_result((ready, [] if shm else [flat.numpy().tobytes()]))
 
-    def _push(self, step: int, layer: int, slot: int, data, skip: bool, fut: Future) -> None:
+    def _push(self, step, layer, slot, data, skip, me: str, clock: dict, fut: Reply) -> None:
+        clock = joined(clock, self.made[layer])
         if not skip:
             plan = self.layout.layers[layer]
             got = (frombuffer(data, torch.float32) if data is not None
                    else self.shared.slot(slot, plan))
-            with self.hb.on(HOST):
-                self.hb.op([(got, False)], "the EPS reads the gradient")
+            self.hb.op_as(me, clock, [(got, False)], "the EPS reads the gradient")
             self.grads[layer].copy_(got[:plan.numel])
             self.opts[layer].step(step, lr=self.lr)
-            with self.hb.on(HOST):
-                self.hb.op([(self.flats[layer], True)], "the EPS updates the layer")
+            self.hb.op_as(me, clock, [(self.flats[layer], True)], "the EPS updates the layer")
+        self.made[layer] = dict(clock)
         self.versions[layer] = step + 1
-        self._answer(fut, (GradAck(req_id=0, step=step, layer=layer, slot=slot), []))
+        fut.clock = dict(clock)
+        fut.set_result((GradAck(req_id=0, step=step, layer=layer, slot=slot), []))
         asked, self.asked = self.asked, []
-        for layer_, version, waiting in asked:
-            self._fetch(layer_, version, waiting)
+        for layer_, version, asker, waiting in asked:
+            self._fetch(layer_, version, me, asker, waiting)
+
+
+def layer_offset(eps: ThreadEps, layer: int) -> int:
+    return eps.layout.layers[layer].byte_offset("float32")
+
+
+def joined(*clocks: dict) -> dict:
+    out: dict = {}
+    for clock in clocks:
+        for agent, n in clock.items():
+            out[agent] = max(out.get(agent, 0), n)
+    return out
 
 
 class SharedSlots:
@@ -172,14 +208,18 @@ def races(monkeypatch, transport: str, model: str, micro_batches: int, layer_dro
     monkeypatch.setattr(worker.weights, "Streams", lambda device, delays=None: ClockedStreams(hb))
     monkeypatch.setattr(worker.grads, "Streams", lambda device, delays=None: ClockedStreams(hb))
     monkeypatch.setattr(worker.grads, "SlotRing", clocked_slot_ring(hb))
-    made = []
+    made, located = [], []
 
     def source(model_, layout, opt):
         shared = SharedSlots(layout) if transport == "shm" else None
         eps = ThreadEps(hb, model_, layout, opt, shared)
         cpu = torch.device("cpu")
-        weights = DeviceCopyWeights(FetchLocator(eps), eps, eps, layout, device=cpu,
+        locator = FetchLocator(eps) if shared is None else BoardLocator(
+            eps, eps.board, RegionInfo(name="served", nbytes=layout.total_numel * 4,
+                                       dtype="float32"), layout)
+        weights = DeviceCopyWeights(locator, eps, eps, layout, device=cpu,
                                     compute_dtype="float32")
+        located.append(locator)
         if shared is not None:
             out = ToSlot(shared, non_blocking=True)
             for s in range(SLOTS):
@@ -215,7 +255,10 @@ def races(monkeypatch, transport: str, model: str, micro_batches: int, layer_dro
             eps.close()
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    assert {"compute", "h2d", "d2h", f"{HOST} eps"} <= hb.seen(), hb.seen()
+    agents = hb.seen()
+    assert {"compute", "h2d", "d2h"} <= agents and any(a.startswith("eps #") for a in agents)
+    if transport == "shm":  # most weights located on the board, without a Fetch
+        assert located[0].fast_fetches > 10, located[0].fast_fetches
     return hb.races
 
 
@@ -227,16 +270,20 @@ def test_no_copy_touches_a_weight_or_gradient_buffer_out_of_order(monkeypatch, t
     assert not found, found[:5]
 
 
+@pytest.mark.parametrize("transport", ["shm", "frames"])
 @pytest.mark.parametrize("dropped,buffers", [
     (("h2d", "compute"), {"weight buffer"}),
-    # the copy's read of the EPS's region comes before the EPS's update of it through the
-    # chain landed -> the layer's backward -> computed -> pushed
+    # over shm, the copy's read of the EPS's region comes before the EPS's update of it
+    # through the chain landed -> the layer's backward -> computed -> pushed
     (("compute", "h2d"), {"weight buffer", "served layer"}),
     (("d2h", "compute"), {"gradient accumulator", "served layer"}),
     ((HOST, "d2h"), {"gradient accumulator", "shared slot", "served layer"})],
     ids=["released", "landed", "computed", "pushed"])
-def test_each_wait_is_needed(monkeypatch, dropped, buffers):
+def test_each_wait_is_needed(monkeypatch, transport, dropped, buffers):
     """Without any one kind of wait the check finds races on the buffers it guards: it would
     see a missing one."""
-    found = races(monkeypatch, "shm", "bert", 3, 0.0, dropped)
+    if transport == "frames":  # weights come as copies, gradients go from staging slots
+        buffers = {"staging slot" if b == "shared slot" else b for b in buffers} - {
+            "served layer"}
+    found = races(monkeypatch, transport, "bert", 3, 0.0, dropped)
     assert {name.rstrip(" 0123456789") for name, *_ in found} == buffers, found[:5]
