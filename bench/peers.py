@@ -7,11 +7,12 @@ global batch, AdamW, per-block activation checkpointing) trained by
     deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
                (DeepSpeedCPUAdam, built at first use), if it is installed
 
-Both train with AdamW (lr 1e-4, weight decay 0.01 on matrices only, as l2l's EPS) on the sum of
-the micro-batches' gradients. Each returns samples/s, peak device memory and every step's loss
-(summed over its micro-batches). On a CPU (tiny models, --tiny) they check the harness: FSDP2
-runs without offload on gloo; DeepSpeed where its accelerator is the CPU (no CUDA device, or
-DS_ACCELERATOR=cpu), with its CPU Adam and parameter offload as on a GPU.
+Both train with AdamW (by default lr 1e-4, weight decay 0.01 on matrices only, as l2l's EPS)
+on the sum of the micro-batches' gradients. Each returns samples/s, peak device memory and every
+step's loss (summed over its micro-batches). On a CPU (tiny models, --tiny) they check the
+harness: FSDP2 runs without offload on gloo; DeepSpeed where its accelerator is the CPU (no
+CUDA device, or DS_ACCELERATOR=cpu) with the same ZeRO-3 configuration and its CPU Adam (the
+"offload" is then from host memory to host memory).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _peak(device: torch.device) -> int:
 
 
 def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int, warmup: int,
-          device: str, precision: str) -> dict:
+          device: str, precision: str, lr: float = LR, weight_decay: float = WEIGHT_DECAY
+          ) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -92,7 +94,7 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
         for block in net.blocks:
             fully_shard(block, **kw)
         fully_shard(net, **kw)
-        opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), WEIGHT_DECAY), lr=LR)
+        opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr)
         sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
         losses: list[float] = []
 
@@ -128,7 +130,8 @@ class _Loss(nn.Module):
 
 
 def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
-              warmup: int, device: str, precision: str) -> dict:
+              warmup: int, device: str, precision: str, lr: float = LR,
+              weight_decay: float = WEIGHT_DECAY) -> dict:
     import deepspeed as ds  # an ImportError says it is not installed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -138,12 +141,10 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         raise RuntimeError(f"DeepSpeed's accelerator is {get_accelerator().device_name()!r}, "
                            f"not {dev.type!r}: ZeRO-3 offload needs CUDA, or DS_ACCELERATOR=cpu "
                            "on a CPU")
-    os.environ.update(RANK="0", LOCAL_RANK=str(dev.index or 0), WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
     config = {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": micro_batches,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
         "zero_optimization": {"stage": 3,
                               "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
@@ -151,10 +152,14 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         "steps_per_print": 1 << 30,
     }
     net = _Loss(build_model(mcfg).assemble().train(), mcfg.seed)
+    env = {k: os.environ.get(k) for k in _DIST_ENV}
+    os.environ.update(RANK="0", LOCAL_RANK=str(dev.index or 0), WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    engine = None
     try:
         engine, _, _, _ = ds.initialize(
             model=net, config=config,
-            model_parameters=optimizer_groups(net.named_parameters(), WEIGHT_DECAY))
+            model_parameters=optimizer_groups(net.named_parameters(), weight_decay))
         sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
         losses: list[float] = []
 
@@ -173,9 +178,19 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         return {"samples_per_sec": micro_batches * batch_size / seconds,
                 "step_seconds": seconds, "peak_bytes": int(_peak(dev)),
                 "version": ds.__version__, "losses": losses}
-    finally:
+    finally:  # nothing of the run stays in this process (a test's, or the next peer's)
+        if engine is not None and hasattr(engine, "destroy"):  # DeepSpeed >= 0.14
+            engine.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 PEERS = {"fsdp2": fsdp2, "deepspeed": deepspeed}
