@@ -36,7 +36,8 @@ def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, 
         for index, batch in enumerate(sharder.batches(step, range(global_micro_batches))):
             loss, _ = net(batch.to(device), rng=(mcfg.seed, step, index), skip=skips(step))
             loss.backward()
-            total += loss.item()
+            if losses is not None:
+                total += loss.item()
         opt.step()
         if losses is not None:
             losses.append(total)

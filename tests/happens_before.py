@@ -154,6 +154,14 @@ def _merge(into: dict[str, int], clock: dict[str, int]) -> None:
             into[agent] = n
 
 
+def joined(*clocks: dict[str, int]) -> dict[str, int]:
+    """What knowing all of ``clocks`` knows."""
+    out: dict[str, int] = defaultdict(int)
+    for clock in clocks:
+        _merge(out, clock)
+    return dict(out)
+
+
 class Event(test_stash.Event):
     def __init__(self, hb: HappensBefore, stream: str):
         super().__init__(stream)

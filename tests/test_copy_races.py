@@ -30,7 +30,7 @@ from worker.source import EpsSource
 from worker.weights import BoardLocator, DeviceCopyWeights, FetchLocator
 
 from .baseline import train_local_l2l
-from .happens_before import HOST, ClockedStreams, HappensBefore, Ops
+from .happens_before import HOST, ClockedStreams, HappensBefore, Ops, joined
 
 SLOTS = 2
 
@@ -56,7 +56,7 @@ class ThreadEps:
     message is handled as an agent of its own, knowing what its sender knew and what made the
     version it reads or replaces; its reply carries that. With ``shared`` slots (shm) the
     weights are served in place (``get``/``tensor``: worker.regions.Regions' part) and their
-    versions on a board (``board[layer]``: the version read and what made it learned)."""
+    versions on a board (``eps[layer]``: the version read and what made it learned)."""
 
     def __init__(self, hb: HappensBefore, model, layout, opt, shared=None):
         self.hb, self.layout, self.lr, self.shared = hb, layout, opt.lr, shared
@@ -71,7 +71,6 @@ class ThreadEps:
         self.made: list[dict] = [{} for _ in layout.layers]  # clock of each layer's version
         self.asked: list[tuple[int, int, dict, Reply]] = []  # fetches of versions to come
         self.messages = 0
-        self.board = self  # board[layer]
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name="eps", daemon=True)
         self.thread.start()
@@ -127,7 +126,8 @@ class ThreadEps:
             return
         flat, shm = self.flats[layer], self.shared is not None
         ready = LayerReady(req_id=0, layer=layer, version=self.versions[layer],
-                           region="served" if shm else "", offset=layer_offset(self, layer),
+                           region="served" if shm else "",
+                           offset=self.layout.layers[layer].byte_offset("float32"),
                            nbytes=flat.numel() * 4, dtype="float32")
         fut.clock = joined(clock, self.made[layer])
         fut.set_result((ready, [] if shm else [flat.numpy().tobytes()]))
@@ -149,18 +149,6 @@ class ThreadEps:
         asked, self.asked = self.asked, []
         for layer_, version, asker, waiting in asked:
             self._fetch(layer_, version, me, asker, waiting)
-
-
-def layer_offset(eps: ThreadEps, layer: int) -> int:
-    return eps.layout.layers[layer].byte_offset("float32")
-
-
-def joined(*clocks: dict) -> dict:
-    out: dict = {}
-    for clock in clocks:
-        for agent, n in clock.items():
-            out[agent] = max(out.get(agent, 0), n)
-    return out
 
 
 class SharedSlots:
@@ -215,7 +203,7 @@ def races(monkeypatch, transport: str, model: str, micro_batches: int, layer_dro
         eps = ThreadEps(hb, model_, layout, opt, shared)
         cpu = torch.device("cpu")
         locator = FetchLocator(eps) if shared is None else BoardLocator(
-            eps, eps.board, RegionInfo(name="served", nbytes=layout.total_numel * 4,
+            eps, eps, RegionInfo(name="served", nbytes=layout.total_numel * 4,
                                        dtype="float32"), layout)
         weights = DeviceCopyWeights(locator, eps, eps, layout, device=cpu,
                                     compute_dtype="float32")
