@@ -19,6 +19,9 @@ def _stage_modules(hf, model_type: str) -> list:
     if model_type == "bert":
         b = hf.bert
         return [b.embeddings, *b.encoder.layer, b.pooler]
+    if model_type in ("roberta", "xlm-roberta"):
+        r = hf.roberta
+        return [r.embeddings, *r.encoder.layer, hf.classifier]
     if model_type == "gpt2":
         t = hf.transformer
         return [t.wte, *t.h, t.ln_f]
@@ -36,6 +39,14 @@ def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, bat
     config = layered.export_config()
     cls = getattr(tf, config.architectures[0])
     hf = cls.from_pretrained(path, config=config, attn_implementation="sdpa").train()
+    # a new head starts as the layered model's (seeded by layer); the rest is the checkpoint's
+    from protocol.tensors import plan_layout
+
+    for plan in plan_layout(layered.manifest()).layers:
+        fresh = {layered.family.hf_name(plan.name, k): v
+                 for k, v in layered.loader().load(plan).items()}
+        missing = hf.load_state_dict(fresh, strict=False).unexpected_keys
+        assert not missing, missing
     state = {"step": 0, "index": 0}
     def reseed(layer: int):
         def hook(module, args) -> None:

@@ -37,20 +37,55 @@ def tokenizer(path: Path, kind: str = "bert"):
     return fast
 
 
+# decoders: (config class, model class, what each sets apart from the common tiny shape)
+DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    # q/k norms; the upper layer slides (max_window_layers)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # fused qkv and gate/up projections, partial rotary, residual dropout, every layer slides
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        resid_pdrop=0.1, partial_rotary_factor=0.5, sliding_window=4, pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),  # norms after, q/k norms
+    # the first layer slides, the last has no rotary: three kinds of block
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        num_hidden_layers=3, no_rope_layers=[1, 1, 0], use_sliding_window=True,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "full_attention"],
+        pad_token_id=0)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8)),  # scaled embeddings, tied
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=4.0, tie_word_embeddings=False)),
+}
+ENCODERS = ("bert", "bert-base", "roberta", "roberta-mlm", "xlm-roberta")
+
+
 def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
     """A save_pretrained directory of a tiny model of ``family``: bert (sequence classifier,
-    3 labels), bert-base (BertModel alone), gpt2 (tied), llama (grouped-query attention),
-    qwen2 (tied embeddings, attention biases), mistral (sliding window)."""
+    3 labels), bert-base (BertModel alone), roberta and xlm-roberta (sequence classifiers),
+    roberta-mlm (a masked LM: the classifier is new, the LM head unused), gpt2 (tied), or one
+    of DECODERS (llama: grouped-query attention, qwen2: tied embeddings and attention biases,
+    mistral: sliding window, ...)."""
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = len(SPECIAL) + len(WORDS) + 1
     torch.manual_seed(seed)
-    if family in ("bert", "bert-base"):
-        cfg = tf.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, intermediate_size=64,
-                            max_position_embeddings=64, num_labels=3, **over)
-        model = (tf.BertForSequenceClassification if family == "bert" else tf.BertModel)(cfg)
+    if family in ENCODERS:
+        common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                      num_labels=3)
+        if family.startswith("bert"):
+            cfg = tf.BertConfig(**common, **over)
+            model = (tf.BertForSequenceClassification if family == "bert" else tf.BertModel)(cfg)
+        else:  # RoBERTa pads with the tokenizer's [PAD] (0); positions start after it
+            kind = "XLMRoberta" if family == "xlm-roberta" else "Roberta"
+            cfg = getattr(tf, f"{kind}Config")(**common, pad_token_id=0, bos_token_id=2,
+                                               eos_token_id=3, type_vocab_size=1, **over)
+            head = "ForMaskedLM" if family == "roberta-mlm" else "ForSequenceClassification"
+            model = getattr(tf, f"{kind}{head}")(cfg)
         tokenizer(path, "bert")
     elif family == "gpt2":
         cfg = tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64,
@@ -58,18 +93,12 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
         model = tf.GPT2LMHeadModel(cfg)
         tokenizer(path, "lm")
     else:
+        config_class, model_class, own = DECODERS[family]
         common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, attention_dropout=0.1)
-        if family == "llama":
-            cfg = tf.LlamaConfig(**common, tie_word_embeddings=False, **over)
-            model = tf.LlamaForCausalLM(cfg)
-        elif family == "qwen2":
-            cfg = tf.Qwen2Config(**common, tie_word_embeddings=True, **over)
-            model = tf.Qwen2ForCausalLM(cfg)
-        else:
-            cfg = tf.MistralConfig(**common, sliding_window=4, **over)
-            model = tf.MistralForCausalLM(cfg)
+        cfg = getattr(tf, config_class)(**{**common, **own, **over})
+        model = getattr(tf, model_class)(cfg)
         tokenizer(path, "lm")
     model.save_pretrained(str(path))
     return path

@@ -15,6 +15,7 @@ import torch
 from worker.config import DataConfig, ModelConfig
 from worker.data import build_task
 from worker.models import build_model
+from worker.models.hf import families
 
 from . import hf_fixtures as fx
 from .baseline import assert_close, train_local_l2l
@@ -26,7 +27,7 @@ SEQ = 16
 
 
 def data_for(family: str, tmp_path, pairs: bool = False) -> DataConfig:
-    if family.startswith("bert"):
+    if family in fx.ENCODERS:
         tsv = fx.classification_tsv(tmp_path / "train.tsv", pairs=pairs)
         return DataConfig(data=str(tsv), text_column="sentence1" if pairs else "sentence",
                           text_pair_column="sentence2" if pairs else "")
@@ -35,19 +36,26 @@ def data_for(family: str, tmp_path, pairs: bool = False) -> DataConfig:
     return DataConfig(data=str(fx.lm_jsonl(tmp_path / "train.jsonl")))
 
 
-@pytest.mark.parametrize("family, pairs", [("bert", True), ("gpt2", False), ("llama", False),
-                                           ("qwen2", False), ("mistral", False)])
+@pytest.mark.parametrize("family, pairs", [
+    ("bert", True), ("roberta", False), ("roberta-mlm", False), ("xlm-roberta", False),
+    ("gpt2", False), *((f, False) for f in fx.DECODERS)])
 def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs):
-    """BERT classifier on sentence pairs (token types), GPT-2 with its tied LM head, Llama
-    with grouped-query attention, Qwen2 (tied, attention biases) on token ids, Mistral with a
-    sliding window shorter than the sequence; dropout 0.1 everywhere it exists."""
+    """BERT classifier on sentence pairs (token types); RoBERTa (positions from the padding,
+    a first-token head) from a classifier and, with a new head, from a masked LM; GPT-2 with
+    its tied LM head; the decoders of fx.DECODERS (grouped-query attention, windows shorter than
+    the sequence, layers without rotary, scaled embeddings and logits, tied heads) on text or
+    token ids; dropout 0.1 everywhere it exists."""
     path = fx.model_dir(tmp_path / "model", family)
     data = data_for(family, tmp_path, pairs)
-    got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ), steps=3,
-                          micro_batches=2, batch_size=4, data=data)
-    want = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
+    classes = 3 if family == "roberta-mlm" else 0
+    got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes),
+                          steps=3, micro_batches=2, batch_size=4, data=data)
+    want = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ,
+                    classes=classes)
     assert_close(got, {k: v for k, v in want.items() if k in got})
-    if family in ("gpt2", "qwen2"):  # tied: one stored tensor
+    tied = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ)).ties() if \
+        family not in fx.ENCODERS else {}
+    if tied:  # one stored tensor
         assert "lm_head.weight" not in got and "lm_head.weight" in want
 
 
@@ -110,12 +118,42 @@ def test_export_loads_with_from_pretrained(tmp_path):
         assert not torch.allclose(trained(ids).logits, a.eval()(ids).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["roberta-mlm", "xlm-roberta", "smollm3", "gemma",
+                                    "granite"])
+def test_every_family_exports_what_it_loaded(tmp_path, family):
+    """Export of the initial weights (a masked LM's as a classifier with its new head) names
+    every tensor as the library does: from_pretrained of the class the config names loads
+    them all (none missing, none left over) to the same values."""
+    from protocol.tensors import plan_layout
+
+    path = fx.model_dir(tmp_path / "model", family)
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                                    classes=3 if family == "roberta-mlm" else 0))
+    initial = {(p.name, n): t for p in plan_layout(model.manifest()).layers
+               for n, t in model.loader().load(p).items()}
+    model.export(str(tmp_path / "out"), initial, {})
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path / "out"))
+    assert config.architectures == [families.hf_class(model.config)]
+    loaded = getattr(transformers, config.architectures[0]).from_pretrained(
+        str(tmp_path / "out"), output_loading_info=True)
+    hf, info = loaded
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    state = hf.state_dict()
+    for (layer, name), t in initial.items():
+        assert torch.equal(state[model.family.hf_name(layer, name)], t), (layer, name)
+
+
 def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         build_model(ModelConfig(model=f"hf:{path}"))
     with pytest.raises(ValueError, match="cannot read a Hugging Face config"):
         build_model(ModelConfig(model=f"hf:{tmp_path / 'nothing'}"))
+    # RoBERTa's positions start after its padding index (0 here): 63 of its 64 are usable
+    roberta = fx.model_dir(tmp_path / "roberta", "roberta")
+    assert build_model(ModelConfig(model=f"hf:{roberta}", seq_len=63))
+    with pytest.raises(ValueError, match="exceeds the 63 positions"):
+        build_model(ModelConfig(model=f"hf:{roberta}", seq_len=64))
 
 
 def test_evaluation_equals_the_library_model(tmp_path):

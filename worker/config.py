@@ -22,7 +22,8 @@ class ModelConfig:
 
     model: str = "bert"
     """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), hf:PATH (a local
-    Hugging Face directory: BERT, GPT-2, Llama/Mistral/Qwen2), or package.module:Class, a
+    Hugging Face directory: BERT/RoBERTa/XLM-RoBERTa classifiers, GPT-2, Llama, Mistral,
+    Qwen2/3, Phi-3, OLMo-2, SmolLM3, Gemma, Granite), or package.module:Class, a
     worker.models.LayeredModel of your own built from this config."""
     layers: int = 4
     """Number of transformer blocks (the layers between pre and post)."""

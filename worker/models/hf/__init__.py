@@ -1,11 +1,13 @@
 """Hugging Face models as layered models: ``--model hf:PATH`` (a local ``save_pretrained``
 directory; nothing is downloaded).
 
-Supported: BERT as a sequence classifier (``BertForSequenceClassification``, or a plain
-``BertModel`` checkpoint given ``--classes``), GPT-2 (``GPT2LMHeadModel``, LM head tied to the
-token embedding) and Llama-style decoders (``LlamaForCausalLM``; Mistral and Qwen2 configs,
-including grouped-query attention, sliding-window layers and tied embeddings). The stages call
-the library's own modules (stages.py); the EPS never sees any of this, only the manifest.
+Supported (families.py): BERT, RoBERTa and XLM-RoBERTa as sequence classifiers (a
+``...ForSequenceClassification`` checkpoint, or any other of the type, e.g. a masked-LM or base
+model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to
+the token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2,
+Qwen3, Phi-3, OLMo-2, SmolLM3, Gemma and Granite: grouped-query attention, sliding-window and
+no-rotary layers, tied embeddings, scaled embeddings and logits). The stages call the
+library's own modules (stages.py); the EPS never sees any of this, only the manifest.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ class HfModel(LayeredModel):
         c = self.config
         if self.objective == "classify":
             self._labels(cfg.classes)
-        limit = getattr(c, "max_position_embeddings", None)
+        limit = families.max_positions(c)
         if limit is not None and cfg.seq_len > limit:
-            raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
+            raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {limit} positions the "
+                             "model's position embeddings cover")
         # What from_pretrained would pick; the library's modules read it from the config.
         c._attn_implementation = c._attn_implementation or "sdpa"
         self.dropout = max((v for k, v in c.to_dict().items()

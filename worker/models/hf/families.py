@@ -4,10 +4,15 @@ Each family says which library class the whole model is (for export), how the mo
 into ``pre`` / ``blocks.i`` / ``post``, which stage each layer is, which tensors are tied, and
 how a stage's parameter names map to the checkpoint's: an explicit per-layer prefix table (as
 nanoGPT's ``from_pretrained`` maps names), used both ways (load and export).
+
+A family is a layout of names shared by several model types; each model type (``ARCH``) says
+where the library keeps its modules and what its model-level ``forward`` adds around the layers
+(a sliding-window rule, scaled embeddings, a logits divisor).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from . import stages
@@ -16,7 +21,7 @@ from . import stages
 @dataclass(frozen=True)
 class Family:
     model_types: tuple[str, ...]
-    hf_class: str  # the transformers class of the whole model (export writes its config)
+    hf_class: str  # the class of the whole model after the type's prefix (export writes it)
     objective: str  # "classify" or "lm"
     base_prefix: str  # how the class names its base model (a base-model checkpoint omits it)
     prefixes: dict  # stage kind group ("pre", "block", "post") -> [(stage prefix, hf prefix)]
@@ -30,24 +35,66 @@ class Family:
         raise KeyError(f"no checkpoint name for {layer}.{tensor}")
 
 
-BERT = Family(("bert",), "BertForSequenceClassification", "classify", "bert.", {
+@dataclass(frozen=True)
+class Arch:
+    """One model type: the library's module and class-name prefix, and what its model-level
+    ``forward`` does around the layers."""
+
+    prefix: str  # class names: f"{prefix}DecoderLayer", f"{prefix}Embeddings", ...
+    module: str  # transformers.models.<module>.modeling_<module>
+    sliding: str = "never"  # which layers slide: "never", "all" (when sliding_window is set),
+    #                         or "layer_types" (the config lists each layer's kind)
+    scaled_embedding: bool = False  # Gemma: the embedding module multiplies by sqrt(hidden)
+    multipliers: bool = False  # Granite: embedding_multiplier in, logits / logits_scaling out
+    nope_layers: bool = False  # SmolLM3: the layers no_rope_layers marks 0 use no rotary
+
+    def cls(self, name: str):
+        """The library's class ``name`` of this model type (e.g. "DecoderLayer")."""
+        module = importlib.import_module(f"transformers.models.{self.module}.modeling_"
+                                         f"{self.module}")
+        return getattr(module, f"{self.prefix}{name}")
+
+
+ARCH = {
+    "bert": Arch("Bert", "bert"),
+    "roberta": Arch("Roberta", "roberta"),
+    "xlm-roberta": Arch("XLMRoberta", "xlm_roberta"),
+    "gpt2": Arch("GPT2", "gpt2"),
+    "llama": Arch("Llama", "llama"),
+    "mistral": Arch("Mistral", "mistral", sliding="all"),
+    "qwen2": Arch("Qwen2", "qwen2", sliding="layer_types"),
+    "qwen3": Arch("Qwen3", "qwen3", sliding="layer_types"),
+    "phi3": Arch("Phi3", "phi3", sliding="all"),
+    "olmo2": Arch("Olmo2", "olmo2"),
+    "smollm3": Arch("SmolLM3", "smollm3", sliding="layer_types", nope_layers=True),
+    "gemma": Arch("Gemma", "gemma", scaled_embedding=True),
+    "granite": Arch("Granite", "granite", multipliers=True),
+}
+
+BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
     "pre": [("embeddings.", "bert.embeddings.")],
     "block": [("layer.", "bert.encoder.layer.{i}.")],
     "post": [("pooler.", "bert.pooler."), ("classifier.", "classifier.")]}, ("classifier.",))
 
-GPT2 = Family(("gpt2",), "GPT2LMHeadModel", "lm", "transformer.", {
+# RoBERTa's sequence classifier has no pooler: its head reads the first token
+ROBERTA = Family(("roberta", "xlm-roberta"), "ForSequenceClassification", "classify",
+                 "roberta.", {
+                     "pre": [("embeddings.", "roberta.embeddings.")],
+                     "block": [("layer.", "roberta.encoder.layer.{i}.")],
+                     "post": [("classifier.", "classifier.")]}, ("classifier.",))
+
+GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
     "pre": [("wte.", "transformer.wte."), ("wpe.", "transformer.wpe.")],
     "block": [("block.", "transformer.h.{i}.")],
     "post": [("ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
 
-DECODER = Family(("llama", "mistral", "qwen2"), "ForCausalLM", "lm", "model.", {
+DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
+                  "granite"), "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
     "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
 
-FAMILIES = {t: f for f in (BERT, GPT2, DECODER) for t in f.model_types}
-CAUSAL_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = {t: f for f in (BERT, ROBERTA, GPT2, DECODER) for t in f.model_types}
 
 
 def family_of(config) -> Family:
@@ -59,44 +106,63 @@ def family_of(config) -> Family:
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
                          "reorder_and_upcast_attn computes each block differently; not supported")
-    if getattr(config, "is_decoder", False) and config.model_type == "bert":
-        raise ValueError("a BERT decoder (is_decoder) is not supported; use an encoder checkpoint")
+    if getattr(config, "is_decoder", False) and family.objective == "classify":
+        raise ValueError(f"a {config.model_type} decoder (is_decoder) is not supported; use an "
+                         "encoder checkpoint")
     return family
 
 
 def hf_class(config) -> str:
-    family = family_of(config)
-    return CAUSAL_CLASS.get(config.model_type, family.hf_class)
+    return ARCH[config.model_type].prefix + family_of(config).hf_class
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the position embeddings cover (None: rotary, no table). RoBERTa's
+    positions start after its padding index."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and family_of(config) is ROBERTA:
+        limit -= config.pad_token_id + 1
+    return limit
 
 
 def block_kinds(config) -> list[str]:
-    """The stage kind of each block, by each model's own rule: Mistral slides every layer when
-    ``sliding_window`` is set, Qwen2 follows ``layer_types``, the others never slide."""
-    n = config.num_hidden_layers
-    if config.model_type == "mistral" and config.sliding_window is not None:
-        return ["sliding"] * n
-    if config.model_type == "qwen2" and getattr(config, "layer_types", None):
-        return ["sliding" if t == "sliding_attention" else "block"
-                for t in config.layer_types[:n]]
-    return ["block"] * n
+    """The stage kind of each block (blocks of one kind compute alike), by each model's own
+    rule: Mistral and Phi-3 slide every layer when ``sliding_window`` is set, Qwen2/3 and
+    SmolLM3 follow ``layer_types``, the others never slide; SmolLM3's ``no_rope_layers``
+    marks the layers without rotary ("-nope")."""
+    n, arch = config.num_hidden_layers, ARCH[config.model_type]
+    kinds = ["block"] * n
+    if arch.sliding == "all" and getattr(config, "sliding_window", None) is not None:
+        kinds = ["sliding"] * n
+    elif arch.sliding == "layer_types" and getattr(config, "layer_types", None):
+        kinds = ["sliding" if t == "sliding_attention" else "block"
+                 for t in config.layer_types[:n]]
+    if arch.nope_layers:
+        kinds = [k if config.no_rope_layers[i] else f"{k}-nope" for i, k in enumerate(kinds)]
+    return kinds
 
 
 def make_stage(config, kind: str):
-    t = config.model_type
-    if t == "bert":
-        return {"embed": stages.BertEmbed, "block": stages.BertBlock,
-                "head": stages.BertClassifier}[kind](config)
-    if t == "gpt2":
+    arch = ARCH[config.model_type]
+    family = family_of(config)
+    if family is BERT:
+        return {"embed": stages.EncoderEmbed, "block": stages.EncoderBlock,
+                "head": stages.BertClassifier}[kind](config, arch)
+    if family is ROBERTA:
+        return {"embed": stages.EncoderEmbed, "block": stages.EncoderBlock,
+                "head": stages.RobertaClassifier}[kind](config, arch)
+    if family is GPT2:
         return {"embed": stages.Gpt2Embed, "block": stages.Gpt2Block,
                 "head": stages.gpt2_head}[kind](config)
-    if kind in ("block", "sliding"):
+    if kind.split("-")[0] in ("block", "sliding"):  # built as the first block of its kind
         kinds = block_kinds(config)
-        return stages.DecoderBlock(config, kinds.index(kind), kind == "sliding")
-    return {"embed": stages.DecoderEmbed, "head": stages.decoder_head}[kind](config)
+        return stages.DecoderBlock(config, arch, kinds.index(kind), kind.startswith("sliding"))
+    return {"embed": stages.DecoderEmbed, "head": stages.decoder_head}[kind](config, arch)
 
 
 def ties(config) -> dict:
-    if config.model_type == "bert" or not getattr(config, "tie_word_embeddings", False):
+    if family_of(config).objective == "classify" or not getattr(config, "tie_word_embeddings",
+                                                                 False):
         return {}
     embedding = "wte.weight" if config.model_type == "gpt2" else "embed_tokens.weight"
     return {("post", "lm_head.weight"): ("pre", embedding)}

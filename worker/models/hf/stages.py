@@ -9,7 +9,6 @@ a per-layer prefix (families.py maps them).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import torch
@@ -19,7 +18,6 @@ from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
-from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertPooler
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from ..layers import sum_cross_entropy
@@ -39,23 +37,28 @@ def _causal_mask(make, config, x: torch.Tensor, batch, positions: torch.Tensor):
                 position_ids=positions, **_NO_CACHE)
 
 
-# ----------------------------------------------------------------------------- BERT
+# ----------------------------------------------------------------------------- encoders
 
 
-class BertEmbed(nn.Module):
-    def __init__(self, config):
+class EncoderEmbed(nn.Module):
+    """BERT's or RoBERTa's embeddings (RoBERTa's derive positions from the padding itself)."""
+
+    def __init__(self, config, arch):
         super().__init__()
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = arch.cls("Embeddings")(config)
+        # one segment type (RoBERTa): every token is type 0 whatever the tokenizer said
+        self.types = config.type_vocab_size > 1
 
     def forward(self, x, batch):
-        return self.embeddings(input_ids=batch.inputs, token_type_ids=batch.token_types)
+        return self.embeddings(input_ids=batch.inputs,
+                               token_type_ids=batch.token_types if self.types else None)
 
 
-class BertBlock(nn.Module):
-    def __init__(self, config):
+class EncoderBlock(nn.Module):
+    def __init__(self, config, arch):
         super().__init__()
         self.config = config
-        self.layer = BertLayer(config)
+        self.layer = arch.cls("Layer")(config)
 
     def forward(self, x, batch):
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=x,
@@ -66,9 +69,9 @@ class BertBlock(nn.Module):
 class BertClassifier(nn.Module):
     """BertForSequenceClassification's head: pooler, dropout, classifier."""
 
-    def __init__(self, config):
+    def __init__(self, config, arch):
         super().__init__()
-        self.pooler = BertPooler(config)
+        self.pooler = arch.cls("Pooler")(config)
         p = config.classifier_dropout
         self.dropout = nn.Dropout(config.hidden_dropout_prob if p is None else p)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -76,6 +79,18 @@ class BertClassifier(nn.Module):
     def forward(self, x, batch):
         logits = self.classifier(self.dropout(self.pooler(x)))
         return sum_cross_entropy(logits, batch.targets, batch.norm)
+
+
+class RobertaClassifier(nn.Module):
+    """RobertaForSequenceClassification's head (the library's: first token, dense, tanh,
+    projection)."""
+
+    def __init__(self, config, arch):
+        super().__init__()
+        self.classifier = arch.cls("ClassificationHead")(config)
+
+    def forward(self, x, batch):
+        return sum_cross_entropy(self.classifier(x), batch.targets, batch.norm)
 
 
 # ----------------------------------------------------------------------------- GPT-2
@@ -107,16 +122,20 @@ class Gpt2Block(nn.Module):
 
 
 class LmHead(nn.Module):
-    """A final norm and the LM head (its weight may be tied to the token embedding)."""
+    """A final norm and the LM head (its weight may be tied to the token embedding); Granite
+    divides the logits by ``divisor``."""
 
-    def __init__(self, norm: nn.Module, norm_name: str, hidden: int, vocab: int):
+    def __init__(self, norm: nn.Module, norm_name: str, hidden: int, vocab: int,
+                 divisor: float = 1.0):
         super().__init__()
         setattr(self, norm_name, norm)
-        self.norm_name = norm_name
+        self.norm_name, self.divisor = norm_name, divisor
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, x, batch):
         logits = self.lm_head(getattr(self, self.norm_name)(x))
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
         return sum_cross_entropy(logits, batch.targets, batch.norm)
 
 
@@ -128,34 +147,35 @@ def gpt2_head(config) -> LmHead:
 # ----------------------------------------------------------------------------- Llama-style
 
 
-def llama_classes(model_type: str) -> dict:
-    """The decoder layer, rotary embedding and RMSNorm classes of a Llama-style family."""
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[model_type]
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    return {k: getattr(module, f"{prefix}{k}") for k in ("DecoderLayer", "RotaryEmbedding",
-                                                        "RMSNorm")}
-
-
 class DecoderEmbed(nn.Module):
-    def __init__(self, config):
+    """The token embedding (Gemma's scales by sqrt(hidden) in the weights' dtype; Granite
+    multiplies by ``embedding_multiplier``)."""
+
+    def __init__(self, config, arch):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         config.pad_token_id)
+        args = (config.vocab_size, config.hidden_size, config.pad_token_id)
+        if arch.scaled_embedding:
+            scaled = arch.cls("TextScaledWordEmbedding")
+            self.embed_tokens = scaled(*args, embed_scale=config.hidden_size ** 0.5)
+        else:
+            self.embed_tokens = nn.Embedding(*args)
+        self.multiplier = config.embedding_multiplier if arch.multipliers else 1.0
 
     def forward(self, x, batch):
-        return self.embed_tokens(batch.inputs)
+        x = self.embed_tokens(batch.inputs)
+        return x * self.multiplier if self.multiplier != 1.0 else x
 
 
 class DecoderBlock(nn.Module):
-    """One decoder layer, its rotary module (buffers only: one per worker) and its mask: full
+    """One decoder layer (built as layer ``layer_idx``, which the config may set apart: its
+    window, its rotary), its rotary module (buffers only: one per worker) and its mask: full
     causal, or sliding-window for the layers the config says."""
 
-    def __init__(self, config, layer_idx: int, sliding: bool):
+    def __init__(self, config, arch, layer_idx: int, sliding: bool):
         super().__init__()
-        classes = llama_classes(config.model_type)
         self.config, self.sliding = config, sliding
-        self.layer = classes["DecoderLayer"](config, layer_idx)
-        self.rotary_emb = classes["RotaryEmbedding"](config)
+        self.layer = arch.cls("DecoderLayer")(config, layer_idx)
+        self.rotary_emb = arch.cls("RotaryEmbedding")(config)
 
     def forward(self, x, batch):
         positions = _positions(x)
@@ -166,6 +186,7 @@ class DecoderBlock(nn.Module):
                           position_embeddings=cos_sin)
 
 
-def decoder_head(config) -> LmHead:
-    norm = llama_classes(config.model_type)["RMSNorm"](config.hidden_size, eps=config.rms_norm_eps)
-    return LmHead(norm, "norm", config.hidden_size, config.vocab_size)
+def decoder_head(config, arch) -> LmHead:
+    norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+    return LmHead(norm, "norm", config.hidden_size, config.vocab_size,
+                  config.logits_scaling if arch.multipliers else 1.0)
