@@ -81,7 +81,9 @@ class DataConfig:
     model's own (bert: trigger, gpt: markov)."""
     data: str = ""
     """Training data: .tsv/.csv (GLUE layout: classification), .jsonl ("text" + "label", or
-    "text" alone for language modelling), .txt (language modelling), .bin (token ids)."""
+    for language modelling "text" alone, "prompt" + "completion" (loss on the completion) or
+    "messages" (the chat template; loss on the assistant turns)), .txt (language modelling),
+    .bin (token ids)."""
     data_format: Literal["auto", "tsv", "csv", "jsonl", "txt", "tokens"] = "auto"
     """Format of --data and --eval-data; auto: from the file extension."""
     text_column: str = "sentence"

@@ -113,5 +113,6 @@ class Sharder:
         self.count = global_micro_batches
 
     def batches(self, step: int, indices) -> list[Batch]:
-        norm = float(self.task.loss_terms(step, self.size, self.count))
+        # at least 1: a step whose samples keep no target (prompts cut by --seq-len) adds 0
+        norm = float(max(1, self.task.loss_terms(step, self.size, self.count)))
         return [self.task.micro_batch(step, i, self.size, norm) for i in indices]

@@ -4,8 +4,11 @@ undecodable text).
 
     tsv, csv   GLUE layout: a header, a text column, optionally a second text column (sentence
                pairs) and an integer label column
-    jsonl      one object per line: {"text": ..., "label": int} (classification), or
-               {"text": ...} alone (language modelling)
+    jsonl      one object per line: {"text": ..., "label": int} (classification), or, for
+               language modelling, {"text": ...} (every token a target), {"prompt": ...,
+               "completion": ...} (targets: the completion) or {"messages": [{"role": ...,
+               "content": ...}, ...]} (the model's chat template; targets: assistant turns),
+               one kind per file
     txt        plain text (language modelling), one stream
     tokens     token ids as raw uint16/uint32 (nanoGPT's .bin), memory-mapped
 """
@@ -31,12 +34,18 @@ class DataError(ValueError):
 
 @dataclass
 class Records:
-    """Texts (and pairs and labels) read from a file, with their line numbers."""
+    """Texts (and pairs and labels) read from a file, with their line numbers. ``kind`` "text":
+    every token of a text is a target; "prompt": ``texts`` are prompts, the targets are their
+    ``completions``; "chat": ``chats`` are conversations (``texts`` holds their first lines
+    for messages), the targets are the assistant turns."""
 
     texts: list[str]
     pairs: list[str] | None
     labels: list[int] | None
     lines: list[int]
+    kind: str = "text"
+    completions: list[str] | None = None
+    chats: list[list[dict]] | None = None
 
 
 def data_format(path: str, fmt: str) -> str:
@@ -111,9 +120,39 @@ def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: i
     return out
 
 
+JSONL_KINDS = {"text": "a \"text\" string", "prompt": "\"prompt\" and \"completion\" strings",
+               "chat": "a \"messages\" list"}
+
+
+def _jsonl_kind(obj: dict) -> str | None:
+    if "messages" in obj:
+        return "chat"
+    if "prompt" in obj or "completion" in obj:
+        return "prompt"
+    return "text" if "text" in obj else None
+
+
+def _messages(path: str, number: int, messages) -> list[dict]:
+    """A conversation: {"role": str, "content": str} objects, at least one assistant turn
+    with content."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{path}:{number}: \"messages\" must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DataError(f"{path}:{number}: message {i} needs \"role\" and \"content\" "
+                            "strings")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise DataError(f"{path}:{number}: no assistant message with content (nothing to "
+                        "train on)")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 def read_jsonl(path: str, classes: int | None) -> Records:
-    """``classes`` None: language modelling (``text`` only); else labels are required."""
+    """``classes`` None: language modelling (text, prompt/completion or messages records, one
+    kind per file); else ``text`` and ``label`` are required."""
     out = Records([], None, [] if classes else None, [])
+    first = None
     for number, line in _lines(path):
         if not line.strip():
             continue
@@ -121,9 +160,35 @@ def read_jsonl(path: str, classes: int | None) -> Records:
             obj = json.loads(line)
         except ValueError as e:
             raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise DataError(f"{path}:{number}: needs a \"text\" string")
-        out.texts.append(_text(path, number, obj["text"]))
+        kind = _jsonl_kind(obj) if isinstance(obj, dict) else None
+        if classes and kind in ("prompt", "chat"):
+            raise DataError(f"{path}:{number}: {kind} records train a language model, not a "
+                            "classifier")
+        if kind is None:
+            wanted = JSONL_KINDS["text"] if classes else " or ".join(JSONL_KINDS.values())
+            raise DataError(f"{path}:{number}: needs {wanted}")
+        if first is None:
+            first = out.kind = kind
+            if kind == "prompt":
+                out.completions = []
+            elif kind == "chat":
+                out.chats = []
+        elif kind != first:
+            raise DataError(f"{path}:{number}: a {kind} record in a file of {first} records "
+                            "(one kind per file)")
+        if kind == "text":
+            if not isinstance(obj["text"], str):
+                raise DataError(f"{path}:{number}: needs a \"text\" string")
+            out.texts.append(_text(path, number, obj["text"]))
+        elif kind == "prompt":
+            if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"),
+                                                                      str)):
+                raise DataError(f"{path}:{number}: needs {JSONL_KINDS['prompt']}")
+            out.texts.append(obj["prompt"])
+            out.completions.append(_text(path, number, obj["completion"]))
+        else:
+            out.chats.append(_messages(path, number, obj["messages"]))
+            out.texts.append(out.chats[-1][0]["content"])
         if classes:
             if "label" not in obj:
                 raise DataError(f"{path}:{number}: needs a \"label\"")

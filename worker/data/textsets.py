@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..models.base import Batch, derive_seed
-from .tokens import Encoded
+from .tokens import Encoded, target_counts
 
 
 class Order:
@@ -60,6 +60,7 @@ class TextTask:
         self.n = n
         self.order = Order(n, seed, shuffle)
         self.lengths = np.full(n, window + 1) if window else enc.lengths()
+        self.targets = np.full(n, window) if window else target_counts(enc)  # lm, per sample
 
     def step_positions(self, step: int, index: int, size: int) -> np.ndarray:
         first = (step * self.count + index) * size
@@ -68,7 +69,7 @@ class TextTask:
     def targets_per_sample(self, samples: np.ndarray) -> np.ndarray:
         if self.objective == "classify":
             return np.ones(len(samples), dtype=np.int64)
-        return self.lengths[samples] - 1
+        return self.targets[samples]
 
     def loss_terms(self, step: int, size: int, count: int) -> int:
         """Real targets in the whole step (every worker's micro-batches)."""
@@ -80,7 +81,7 @@ class TextTask:
         return self.batch(self.order(self.step_positions(step, index, size)), norm)
 
     def batch(self, samples: np.ndarray, norm: float) -> Batch:
-        rows, types = [], []
+        rows, types, wanted = [], [], []
         for k in samples:
             if self.window:
                 start = int(k) * self.window
@@ -90,6 +91,8 @@ class TextTask:
                 rows.append(self.enc.ids[lo:hi])
                 if self.enc.types is not None:
                     types.append(self.enc.types[lo:hi])
+                if self.enc.targets is not None:
+                    wanted.append(self.enc.targets[lo:hi])
         if self.window:  # windows of one stream: inputs and the next tokens, no padding
             w = torch.from_numpy(np.stack(rows).astype(np.int64))
             return Batch(w[:, :-1].contiguous(), w[:, 1:].contiguous(), norm)
@@ -106,9 +109,13 @@ class TextTask:
                 token_types[j, :len(t)] = torch.from_numpy(t.astype(np.int64))
         if self.objective == "classify":
             targets = torch.from_numpy(self.enc.labels[samples].astype(np.int64))
-        else:  # position t predicts token t+1; padding and the last token have no target
+        else:  # position t predicts token t+1; padding, the last token and tokens not
+            #    wanted (prompts, the user's turns) have no target
+            keep = mask.clone()
+            for j, w in enumerate(wanted):
+                keep[j, :len(w)] = torch.from_numpy(w.astype(np.int64))
             targets = torch.full_like(ids, -100)
-            targets[:, :-1] = torch.where(mask[:, 1:] == 1, ids[:, 1:], -100)
+            targets[:, :-1] = torch.where(keep[:, 1:] == 1, ids[:, 1:], -100)
         return Batch(ids, targets, norm, mask, token_types)
 
 
