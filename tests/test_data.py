@@ -3,6 +3,7 @@ and the loss normaliser (real targets only)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -141,3 +142,57 @@ def test_eval_data_is_shared_out_whole(models, tmp_path):
         np.arange(j * 4, min(j * 4 + 4, 10)), 1.0).targets.tolist()]
     assert got == whole  # in file order, every sample once
     assert build_eval(models["bert"], DataConfig(), 4, 0, 1) is None
+
+
+def test_parquet_reads_as_the_text_formats_do(models, tmp_path):
+    """A Parquet table (a Hugging Face dataset's file) gives the samples the same rows give as
+    TSV (classification, sentence pairs) or as JSONL (text; prompt/completion and messages in
+    test_sft)."""
+    import csv
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    tsv = fx.classification_tsv(tmp_path / "p.tsv", pairs=True)
+    with open(tsv) as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    pq.write_table(pa.table({"sentence1": [r["sentence1"] for r in rows],
+                             "sentence2": [r["sentence2"] for r in rows],
+                             "label": [int(r["label"]) for r in rows]}), tmp_path / "p.parquet")
+    kw = dict(text_column="sentence1", text_pair_column="sentence2")
+    a, b = task(models["bert"], tsv, **kw).enc, task(models["bert"], tmp_path / "p.parquet",
+                                                     **kw).enc
+    assert all(np.array_equal(getattr(a, k), getattr(b, k))
+               for k in ("ids", "starts", "types", "labels"))
+    lm = fx.lm_jsonl(tmp_path / "lm.jsonl")
+    texts = [json.loads(line)["text"] for line in lm.read_text().splitlines()]
+    pq.write_table(pa.table({"text": texts, "id": list(range(len(texts)))}),
+                   tmp_path / "lm.parquet")
+    a, b = task(models["gpt2"], lm).enc, task(models["gpt2"], tmp_path / "lm.parquet").enc
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.starts, b.starts)
+
+
+def test_bad_parquet_files_are_refused_with_their_row(models, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    def refused(model, table, message, **kw):
+        path = tmp_path / f"t{len(os.listdir(tmp_path))}.parquet"
+        if isinstance(table, bytes):
+            path.write_bytes(table)
+        else:
+            pq.write_table(pa.table(table), path)
+        with pytest.raises(DataError, match=message):
+            task(model, path, **kw)
+
+    refused(models["bert"], {"text": ["good"], "label": [1]}, r"no column 'sentence' \(columns: "
+            "text, label\\)")
+    refused(models["bert"], {"sentence": ["good", "bad", None], "label": [1, 0, 1]},
+            r"row 3: needs a \"sentence\" string")
+    refused(models["bert"], {"sentence": ["good", "bad"], "label": [1, 5]},
+            r"row 2: label 5 is out of range \[0, 3\)")
+    refused(models["gpt2"], {"body": ["good"]}, "no column text, prompt \\+ completion or "
+            "messages")
+    refused(models["gpt2"], {"prompt": ["good", "bad"], "completion": ["fine", None]},
+            r"row 2: needs \"prompt\" and \"completion\" strings")
+    refused(models["gpt2"], b"PAR1 not really", "not a Parquet file")

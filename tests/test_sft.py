@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,9 +86,17 @@ def test_chat_trains_on_the_assistant_turns_only(tmp_path):
     for k, got in zip(t.order(t.step_positions(0, 0, 4)), target_rows(b)):
         words = " ".join(tok.convert_ids_to_tokens([c for _, c in got]))
         assert words == f"{chats[k][2]['content']} [SEP] {chats[k][4]['content']} [SEP]"
-    # the targets survive the token cache
+    # the targets survive the token cache, and a Parquet table of the same records (a
+    # column of lists of structs) gives the same samples
     again = task(model, str(tmp_path / "chat.jsonl"))
     assert torch.equal(again.micro_batch(0, 0, 4, 1.0).targets, b.targets)
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "chat.parquet")
+    table = task(model, str(tmp_path / "chat.parquet"))
+    assert all(np.array_equal(getattr(table.enc, k), getattr(t.enc, k))
+               for k in ("ids", "starts", "targets"))
 
 
 def test_a_prompt_longer_than_the_sequence_trains_nothing(tmp_path, caplog):

@@ -82,16 +82,17 @@ class DataConfig:
     data: str = ""
     """Training data: .tsv/.csv (GLUE layout: classification), .jsonl ("text" + "label", or
     for language modelling "text" alone, "prompt" + "completion" (loss on the completion) or
-    "messages" (the chat template; loss on the assistant turns)), .txt (language modelling),
-    .bin (token ids)."""
-    data_format: Literal["auto", "tsv", "csv", "jsonl", "txt", "tokens"] = "auto"
+    "messages" (the chat template; loss on the assistant turns)), .parquet (the columns of
+    .tsv for classification, the keys of .jsonl for language modelling), .txt (language
+    modelling), .bin (token ids)."""
+    data_format: Literal["auto", "tsv", "csv", "jsonl", "parquet", "txt", "tokens"] = "auto"
     """Format of --data and --eval-data; auto: from the file extension."""
     text_column: str = "sentence"
-    """TSV/CSV: the column holding the text."""
+    """TSV/CSV/Parquet classification: the column holding the text."""
     text_pair_column: str = ""
-    """TSV/CSV: a second text column (sentence pairs), or empty."""
+    """TSV/CSV/Parquet: a second text column (sentence pairs), or empty."""
     label_column: str = "label"
-    """TSV/CSV: the column holding the integer label in [0, classes)."""
+    """TSV/CSV/Parquet: the column holding the integer label in [0, classes)."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a token-id file."""
     shuffle: bool = True

@@ -14,7 +14,15 @@ from functools import partial
 
 from ..config import DataConfig
 from ..models.base import Batch, LayeredModel
-from .files import DataError, data_format, read_jsonl, read_table, read_text, read_tokens
+from .files import (
+    DataError,
+    data_format,
+    read_jsonl,
+    read_parquet,
+    read_table,
+    read_text,
+    read_tokens,
+)
 from .synthetic import MarkovTask, TriggerTask
 from .textsets import EvalSet, TextTask
 from .tokens import Encoded, cached_encode
@@ -87,6 +95,10 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     elif fmt == "jsonl":
         objective = model.objective
         records = partial(read_jsonl, path, None if objective == "lm" else classes)
+    elif fmt == "parquet":
+        objective = model.objective
+        records = partial(read_parquet, path, None if objective == "lm" else classes,
+                          data.text_column, data.text_pair_column, data.label_column)
     else:
         records = partial(read_text, path)
         objective = "lm"

@@ -9,6 +9,7 @@ undecodable text).
                "completion": ...} (targets: the completion) or {"messages": [{"role": ...,
                "content": ...}, ...]} (the model's chat template; targets: assistant turns),
                one kind per file
+    parquet    a table: the columns of tsv (classification) or the keys of jsonl records
     txt        plain text (language modelling), one stream
     tokens     token ids as raw uint16/uint32 (nanoGPT's .bin), memory-mapped
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt",
-           ".bin": "tokens"}
+           ".bin": "tokens", ".parquet": "parquet"}
 
 
 class DataError(ValueError):
@@ -72,21 +73,24 @@ def _lines(path: str):
                                 f"{e.start})") from None
 
 
-def _label(path: str, number: int, value, classes: int) -> int:
+def _label(where: str, value, classes: int) -> int:
+    """``where``: the file and line (or row) named in an error."""
     if isinstance(value, int) and not isinstance(value, bool):
         label = value
     elif isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
         label = int(value)
     else:
-        raise DataError(f"{path}:{number}: label {value!r} is not an integer")
+        raise DataError(f"{where}: label {value!r} is not an integer")
     if not 0 <= label < classes:
-        raise DataError(f"{path}:{number}: label {label} is out of range [0, {classes})")
+        raise DataError(f"{where}: label {label} is out of range [0, {classes})")
     return label
 
 
-def _text(path: str, number: int, text: str) -> str:
+def _text(where: str, text, name: str = "text") -> str:
+    if not isinstance(text, str):
+        raise DataError(f"{where}: needs a \"{name}\" string")
     if not text.strip():
-        raise DataError(f"{path}:{number}: empty text")
+        raise DataError(f"{where}: empty text")
     return text
 
 
@@ -110,10 +114,11 @@ def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: i
             continue
         if len(row) != len(header):
             raise DataError(f"{path}:{number}: {len(row)} fields, the header has {len(header)}")
-        out.texts.append(_text(path, number, row[columns[text]]))
+        where = f"{path}:{number}"
+        out.texts.append(_text(where, row[columns[text]]))
         if pair:
-            out.pairs.append(_text(path, number, row[columns[pair]]))
-        out.labels.append(_label(path, number, row[columns[label]], classes))
+            out.pairs.append(_text(where, row[columns[pair]]))
+        out.labels.append(_label(where, row[columns[label]], classes))
         out.lines.append(number)
     if not out.texts:
         raise DataError(f"{path}: no rows after the header")
@@ -132,27 +137,21 @@ def _jsonl_kind(obj: dict) -> str | None:
     return "text" if "text" in obj else None
 
 
-def _messages(path: str, number: int, messages) -> list[dict]:
+def _messages(where: str, messages) -> list[dict]:
     """A conversation: {"role": str, "content": str} objects, at least one assistant turn
     with content."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{path}:{number}: \"messages\" must be a non-empty list")
+        raise DataError(f"{where}: \"messages\" must be a non-empty list")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
-            raise DataError(f"{path}:{number}: message {i} needs \"role\" and \"content\" "
-                            "strings")
+            raise DataError(f"{where}: message {i} needs \"role\" and \"content\" strings")
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise DataError(f"{path}:{number}: no assistant message with content (nothing to "
-                        "train on)")
+        raise DataError(f"{where}: no assistant message with content (nothing to train on)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def read_jsonl(path: str, classes: int | None) -> Records:
-    """``classes`` None: language modelling (text, prompt/completion or messages records, one
-    kind per file); else ``text`` and ``label`` are required."""
-    out = Records([], None, [] if classes else None, [])
-    first = None
+def _jsonl_rows(path: str):
     for number, line in _lines(path):
         if not line.strip():
             continue
@@ -160,13 +159,27 @@ def read_jsonl(path: str, classes: int | None) -> Records:
             obj = json.loads(line)
         except ValueError as e:
             raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
+        yield f"{path}:{number}", number, obj
+
+
+def read_jsonl(path: str, classes: int | None) -> Records:
+    """``classes`` None: language modelling (text, prompt/completion or messages records, one
+    kind per file); else ``text`` and ``label`` are required."""
+    return read_records(path, _jsonl_rows(path), classes)
+
+
+def read_records(path: str, rows, classes: int | None) -> Records:
+    """Records of (where, number, object) rows: JSONL lines, or Parquet rows as objects."""
+    out = Records([], None, [] if classes else None, [])
+    first = None
+    for where, number, obj in rows:
         kind = _jsonl_kind(obj) if isinstance(obj, dict) else None
         if classes and kind in ("prompt", "chat"):
-            raise DataError(f"{path}:{number}: {kind} records train a language model, not a "
+            raise DataError(f"{where}: {kind} records train a language model, not a "
                             "classifier")
         if kind is None:
             wanted = JSONL_KINDS["text"] if classes else " or ".join(JSONL_KINDS.values())
-            raise DataError(f"{path}:{number}: needs {wanted}")
+            raise DataError(f"{where}: needs {wanted}")
         if first is None:
             first = out.kind = kind
             if kind == "prompt":
@@ -174,25 +187,67 @@ def read_jsonl(path: str, classes: int | None) -> Records:
             elif kind == "chat":
                 out.chats = []
         elif kind != first:
-            raise DataError(f"{path}:{number}: a {kind} record in a file of {first} records "
-                            "(one kind per file)")
+            raise DataError(f"{where}: a {kind} record in a file of {first} records (one kind "
+                            "per file)")
         if kind == "text":
-            if not isinstance(obj["text"], str):
-                raise DataError(f"{path}:{number}: needs a \"text\" string")
-            out.texts.append(_text(path, number, obj["text"]))
+            out.texts.append(_text(where, obj["text"]))
         elif kind == "prompt":
             if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"),
                                                                       str)):
-                raise DataError(f"{path}:{number}: needs {JSONL_KINDS['prompt']}")
+                raise DataError(f"{where}: needs {JSONL_KINDS['prompt']}")
             out.texts.append(obj["prompt"])
-            out.completions.append(_text(path, number, obj["completion"]))
+            out.completions.append(_text(where, obj["completion"]))
         else:
-            out.chats.append(_messages(path, number, obj["messages"]))
+            out.chats.append(_messages(where, obj["messages"]))
             out.texts.append(out.chats[-1][0]["content"])
         if classes:
             if "label" not in obj:
-                raise DataError(f"{path}:{number}: needs a \"label\"")
-            out.labels.append(_label(path, number, obj["label"], classes))
+                raise DataError(f"{where}: needs a \"label\"")
+            out.labels.append(_label(where, obj["label"], classes))
+        out.lines.append(number)
+    if not out.texts:
+        raise DataError(f"{path}: the file is empty")
+    return out
+
+
+def read_parquet(path: str, classes: int | None, text: str, pair: str, label: str
+                 ) -> Records:
+    """A Parquet file (e.g. a Hugging Face dataset's): for a classifier the columns TSV names
+    (--text-column, --text-pair-column, --label-column); for a language model the keys JSONL
+    records have (text, prompt + completion, or messages). Errors name the row (from 1)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several kinds for a file that is not Parquet
+        raise DataError(f"{path}: not a Parquet file ({e})") from None
+    names = table.schema_arrow.names
+    wanted = [text, label, *([pair] if pair else [])] if classes else \
+        [n for n in ("text", "prompt", "completion", "messages") if n in names]
+    for name in wanted:
+        if name not in names:
+            raise DataError(f"{path}: no column {name!r} (columns: {', '.join(names)})")
+    if not wanted:
+        raise DataError(f"{path}: no column text, prompt + completion or messages (columns: "
+                        f"{', '.join(names)})")
+
+    def rows():
+        number = 0
+        for batch in table.iter_batches(batch_size=4096, columns=wanted):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{path}: row {number}", number, row
+
+    if not classes:
+        return read_records(path, rows(), None)
+    out = Records([], [] if pair else None, [], [])
+    for where, number, row in rows():
+        out.texts.append(_text(where, row[text], text))
+        if pair:
+            out.pairs.append(_text(where, row[pair], pair))
+        out.labels.append(_label(where, row[label], classes))
         out.lines.append(number)
     if not out.texts:
         raise DataError(f"{path}: the file is empty")
