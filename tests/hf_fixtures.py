@@ -67,7 +67,7 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
     3 labels), bert-base (BertModel alone), roberta and xlm-roberta (sequence classifiers),
     roberta-mlm (a masked LM: the classifier is new, the LM head unused), gpt2 (tied), or one
     of DECODERS (llama: grouped-query attention, qwen2: tied embeddings and attention biases,
-    mistral: sliding window, ...)."""
+    mistral: sliding window, ...), or one of them with "-cls": its sequence classifier."""
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
@@ -92,11 +92,15 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
                             **over)
         model = tf.GPT2LMHeadModel(cfg)
         tokenizer(path, "lm")
-    else:
-        config_class, model_class, own = DECODERS[family]
+    else:  # "<decoder>-cls": its sequence classifier (3 labels, pooled at the last real token)
+        classifier = family.endswith("-cls")
+        config_class, model_class, own = DECODERS[family.removesuffix("-cls")]
         common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, attention_dropout=0.1)
+        if classifier:
+            common.update(num_labels=3, pad_token_id=0)
+            model_class = model_class.replace("ForCausalLM", "ForSequenceClassification")
         cfg = getattr(tf, config_class)(**{**common, **own, **over})
         model = getattr(tf, model_class)(cfg)
         tokenizer(path, "lm")

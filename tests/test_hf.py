@@ -26,8 +26,8 @@ transformers = pytest.importorskip("transformers")
 SEQ = 16
 
 
-def data_for(family: str, tmp_path, pairs: bool = False) -> DataConfig:
-    if family in fx.ENCODERS:
+def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> DataConfig:
+    if family in fx.ENCODERS or family.endswith("-cls") or classes:
         tsv = fx.classification_tsv(tmp_path / "train.tsv", pairs=pairs)
         return DataConfig(data=str(tsv), text_column="sentence1" if pairs else "sentence",
                           text_pair_column="sentence2" if pairs else "")
@@ -36,25 +36,26 @@ def data_for(family: str, tmp_path, pairs: bool = False) -> DataConfig:
     return DataConfig(data=str(fx.lm_jsonl(tmp_path / "train.jsonl")))
 
 
-@pytest.mark.parametrize("family, pairs", [
-    ("bert", True), ("roberta", False), ("roberta-mlm", False), ("xlm-roberta", False),
-    ("gpt2", False), *((f, False) for f in fx.DECODERS)])
-def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs):
+@pytest.mark.parametrize("family, pairs, classes", [
+    ("bert", True, 0), ("roberta", False, 0), ("roberta-mlm", False, 3), ("xlm-roberta", False, 0),
+    ("gpt2", False, 0), *((f, False, 0) for f in fx.DECODERS), ("qwen3-cls", False, 0),
+    ("llama", False, 3)])
+def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     """BERT classifier on sentence pairs (token types); RoBERTa (positions from the padding,
-    a first-token head) from a classifier and, with a new head, from a masked LM; GPT-2 with
-    its tied LM head; the decoders of fx.DECODERS (grouped-query attention, windows shorter than
-    the sequence, layers without rotary, scaled embeddings and logits, tied heads) on text or
-    token ids; dropout 0.1 everywhere it exists."""
+    a first-token head) from a classifier and, with a new head (``classes``), from a masked LM;
+    GPT-2 with its tied LM head; the decoders of fx.DECODERS (grouped-query attention, windows
+    shorter than the sequence, layers without rotary, scaled embeddings and logits, tied heads)
+    on text or token ids; decoders as sequence classifiers (pooled at the last real token of
+    padded rows), from a classifier and from a causal LM with a new head; dropout 0.1
+    everywhere it exists."""
     path = fx.model_dir(tmp_path / "model", family)
-    data = data_for(family, tmp_path, pairs)
-    classes = 3 if family == "roberta-mlm" else 0
+    data = data_for(family, tmp_path, pairs, classes)
     got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes),
                           steps=3, micro_batches=2, batch_size=4, data=data)
     want = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ,
                     classes=classes)
     assert_close(got, {k: v for k, v in want.items() if k in got})
-    tied = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ)).ties() if \
-        family not in fx.ENCODERS else {}
+    tied = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes)).ties()
     if tied:  # one stored tensor
         assert "lm_head.weight" not in got and "lm_head.weight" in want
 
@@ -118,22 +119,23 @@ def test_export_loads_with_from_pretrained(tmp_path):
         assert not torch.allclose(trained(ids).logits, a.eval()(ids).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["roberta-mlm", "xlm-roberta", "smollm3", "gemma",
-                                    "granite"])
-def test_every_family_exports_what_it_loaded(tmp_path, family):
-    """Export of the initial weights (a masked LM's as a classifier with its new head) names
-    every tensor as the library does: from_pretrained of the class the config names loads
-    them all (none missing, none left over) to the same values."""
+@pytest.mark.parametrize("family, classes", [
+    ("roberta-mlm", 3), ("xlm-roberta", 0), ("smollm3", 0), ("gemma", 0), ("granite", 0),
+    ("qwen3-cls", 0), ("llama", 3)])
+def test_every_family_exports_what_it_loaded(tmp_path, family, classes):
+    """Export of the initial weights (a masked LM's or a causal LM's as a classifier with its
+    new head) names every tensor as the library does: from_pretrained of the class the config
+    names loads them all (none missing, none left over) to the same values; a decoder
+    classifier's config names the padding it pools by."""
     from protocol.tensors import plan_layout
 
     path = fx.model_dir(tmp_path / "model", family)
-    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
-                                    classes=3 if family == "roberta-mlm" else 0))
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes))
     initial = {(p.name, n): t for p in plan_layout(model.manifest()).layers
                for n, t in model.loader().load(p).items()}
     model.export(str(tmp_path / "out"), initial, {})
     config = transformers.AutoConfig.from_pretrained(str(tmp_path / "out"))
-    assert config.architectures == [families.hf_class(model.config)]
+    assert config.architectures == [families.hf_class(model.config, model.family)]
     loaded = getattr(transformers, config.architectures[0]).from_pretrained(
         str(tmp_path / "out"), output_loading_info=True)
     hf, info = loaded
@@ -141,6 +143,8 @@ def test_every_family_exports_what_it_loaded(tmp_path, family):
     state = hf.state_dict()
     for (layer, name), t in initial.items():
         assert torch.equal(state[model.family.hf_name(layer, name)], t), (layer, name)
+    if family in ("qwen3-cls", "llama"):
+        assert config.pad_token_id == 0 and config.num_labels == 3  # the fixture's [PAD]
 
 
 def test_unsupported_configs_are_refused(tmp_path):

@@ -23,7 +23,8 @@ class ModelConfig:
     model: str = "bert"
     """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), hf:PATH (a local
     Hugging Face directory: BERT/RoBERTa/XLM-RoBERTa classifiers, GPT-2, Llama, Mistral,
-    Qwen2/3, Phi-3, OLMo-2, SmolLM3, Gemma, Granite), or package.module:Class, a
+    Qwen2/3, Phi-3, OLMo-2, SmolLM3, Gemma, Granite: causal LMs, or classifiers), or
+    package.module:Class, a
     worker.models.LayeredModel of your own built from this config."""
     layers: int = 4
     """Number of transformer blocks (the layers between pre and post)."""
@@ -39,7 +40,8 @@ class ModelConfig:
     """Vocabulary size."""
     classes: int = 0
     """Number of classes of a classifier head; 0: the model's own (built-in bert: 4; a Hugging
-    Face sequence classifier: its labels; a base checkpoint needs it)."""
+    Face sequence classifier: its labels; a base checkpoint needs it; on a Hugging Face causal
+    LM it makes a sequence classifier with a new head)."""
     dropout: float = 0.1
     """Dropout probability (masks are replayed exactly in the recompute)."""
     tie_embeddings: bool = False

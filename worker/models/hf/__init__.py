@@ -6,8 +6,10 @@ Supported (families.py): BERT, RoBERTa and XLM-RoBERTa as sequence classifiers (
 model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to
 the token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2,
 Qwen3, Phi-3, OLMo-2, SmolLM3, Gemma and Granite: grouped-query attention, sliding-window and
-no-rotary layers, tied embeddings, scaled embeddings and logits). The stages call the
-library's own modules (stages.py); the EPS never sees any of this, only the manifest.
+no-rotary layers, tied embeddings, scaled embeddings and logits), these also as sequence
+classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's).
+The stages call the library's own modules (stages.py); the EPS never sees any of this, only the
+manifest.
 """
 
 from __future__ import annotations
@@ -41,11 +43,15 @@ class HfModel(LayeredModel):
         super().__init__(cfg)
         self.path = cfg.model[len(PREFIX):]
         self.config = load_config(self.path)
-        self.family = families.family_of(self.config)
+        self.family = families.family_of(self.config, cfg.classes)
         self.objective = self.family.objective
         c = self.config
         if self.objective == "classify":
             self._labels(cfg.classes)
+        if self.family is families.DECODER_CLASSIFIER and c.pad_token_id is None:
+            # pooled at the last token that is not padding: the padding the data will use
+            # (written on export too, so the library's model pools alike)
+            c.pad_token_id = self._pad_id()
         limit = families.max_positions(c)
         if limit is not None and cfg.seq_len > limit:
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {limit} positions the "
@@ -63,7 +69,7 @@ class HfModel(LayeredModel):
         if c.problem_type not in (None, "single_label_classification"):
             raise ValueError(f"problem_type {c.problem_type!r} is not supported (single-label "
                              "classification only)")
-        if any("SequenceClassification" in a for a in (c.architectures or ())):
+        if families.classifies(c):
             if classes and classes != c.num_labels:
                 raise ValueError(f"the checkpoint's classifier has {c.num_labels} labels, "
                                  f"--classes says {classes}")
@@ -73,8 +79,14 @@ class HfModel(LayeredModel):
                              "(2 or more)")
         c.num_labels = classes
 
+    def _pad_id(self) -> int | None:
+        try:
+            return self.tokenizer().pad_token_id
+        except ValueError:  # no tokenizer: token ids only, and the attention mask tells
+            return None
+
     def make_stage(self, kind: str):
-        return families.make_stage(self.config, kind)
+        return families.make_stage(self.config, self.family, kind)
 
     def layer_kinds(self) -> list[tuple[str, str]]:
         return ([("pre", "embed")] + [(f"blocks.{i}", k) for i, k in enumerate(self._kinds)]
@@ -89,7 +101,7 @@ class HfModel(LayeredModel):
                 "num_labels": self.config.num_labels if self.objective == "classify" else 0}
 
     def ties(self):
-        return families.ties(self.config)
+        return families.ties(self.config, self.family)
 
     def loader(self):
         if self._loader is None:
@@ -98,7 +110,7 @@ class HfModel(LayeredModel):
 
     def export_config(self):
         config = copy.deepcopy(self.config)
-        config.architectures = [families.hf_class(self.config)]
+        config.architectures = [families.hf_class(self.config, self.family)]
         return config
 
     def export(self, path: str, tensors: dict, metadata: dict) -> None:

@@ -94,14 +94,29 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
     "block": [("layer.", "model.layers.{i}.")],
     "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
 
+# A decoder as a sequence classifier (the library's GenericForSequenceClassification): the
+# final norm, then a "score" projection of the last real token
+DECODER_CLASSIFIER = Family(DECODER.model_types, "ForSequenceClassification", "classify",
+                            "model.", {**DECODER.prefixes,
+                                       "post": [("norm.", "model.norm."), ("score.", "score.")]},
+                            ("score.",))
+
 FAMILIES = {t: f for f in (BERT, ROBERTA, GPT2, DECODER) for t in f.model_types}
 
 
-def family_of(config) -> Family:
+def classifies(config) -> bool:
+    return any("ForSequenceClassification" in a for a in (config.architectures or ()))
+
+
+def family_of(config, classes: int = 0) -> Family:
+    """The family of ``config``'s model type; a decoder is a sequence classifier when its
+    checkpoint is one or ``classes`` asks for a new classifier head."""
     family = FAMILIES.get(config.model_type)
     if family is None:
         raise ValueError(f"model type {config.model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")
+    if family is DECODER and (classes or classifies(config)):
+        family = DECODER_CLASSIFIER
     if config.model_type == "gpt2" and (config.scale_attn_by_inverse_layer_idx
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
@@ -112,15 +127,15 @@ def family_of(config) -> Family:
     return family
 
 
-def hf_class(config) -> str:
-    return ARCH[config.model_type].prefix + family_of(config).hf_class
+def hf_class(config, family: Family) -> str:
+    return ARCH[config.model_type].prefix + family.hf_class
 
 
 def max_positions(config) -> int | None:
     """The longest sequence the position embeddings cover (None: rotary, no table). RoBERTa's
     positions start after its padding index."""
     limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and family_of(config) is ROBERTA:
+    if limit is not None and FAMILIES[config.model_type] is ROBERTA:
         limit -= config.pad_token_id + 1
     return limit
 
@@ -142,9 +157,8 @@ def block_kinds(config) -> list[str]:
     return kinds
 
 
-def make_stage(config, kind: str):
+def make_stage(config, family: Family, kind: str):
     arch = ARCH[config.model_type]
-    family = family_of(config)
     if family is BERT:
         return {"embed": stages.EncoderEmbed, "block": stages.EncoderBlock,
                 "head": stages.BertClassifier}[kind](config, arch)
@@ -157,12 +171,12 @@ def make_stage(config, kind: str):
     if kind.split("-")[0] in ("block", "sliding"):  # built as the first block of its kind
         kinds = block_kinds(config)
         return stages.DecoderBlock(config, arch, kinds.index(kind), kind.startswith("sliding"))
-    return {"embed": stages.DecoderEmbed, "head": stages.decoder_head}[kind](config, arch)
+    head = stages.DecoderClassifier if family is DECODER_CLASSIFIER else stages.decoder_head
+    return {"embed": stages.DecoderEmbed, "head": head}[kind](config, arch)
 
 
-def ties(config) -> dict:
-    if family_of(config).objective == "classify" or not getattr(config, "tie_word_embeddings",
-                                                                 False):
+def ties(config, family: Family) -> dict:
+    if family.objective == "classify" or not getattr(config, "tie_word_embeddings", False):
         return {}
     embedding = "wte.weight" if config.model_type == "gpt2" else "embed_tokens.weight"
     return {("post", "lm_head.weight"): ("pre", embedding)}

@@ -186,6 +186,27 @@ class DecoderBlock(nn.Module):
                           position_embeddings=cos_sin)
 
 
+class DecoderClassifier(nn.Module):
+    """GenericForSequenceClassification's head: the final norm, the "score" projection, and
+    the logits of each row's rightmost token that is not padding (as the library picks it:
+    by ``pad_token_id``; without one, the last token the attention mask keeps)."""
+
+    def __init__(self, config, arch):
+        super().__init__()
+        self.norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.pad = config.pad_token_id
+
+    def forward(self, x, batch):
+        ids = batch.inputs
+        real = (ids != self.pad) if self.pad is not None else (
+            batch.mask.bool() if batch.mask is not None else torch.ones_like(ids, dtype=bool))
+        positions = torch.arange(ids.shape[1], device=ids.device, dtype=torch.int32)
+        last = (positions * real.to(torch.int32)).argmax(-1)
+        pooled = self.norm(x[torch.arange(ids.shape[0], device=ids.device), last])
+        return sum_cross_entropy(self.score(pooled), batch.targets, batch.norm)
+
+
 def decoder_head(config, arch) -> LmHead:
     norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
     return LmHead(norm, "norm", config.hidden_size, config.vocab_size,
