@@ -38,7 +38,8 @@ def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, bat
     layered = build_model(mcfg)
     config = layered.export_config()
     cls = getattr(tf, config.architectures[0])
-    hf = cls.from_pretrained(path, config=config, attn_implementation="sdpa").train()
+    hf = cls.from_pretrained(path, config=config,
+                             attn_implementation=layered.config._attn_implementation).train()
     # a new head starts as the layered model's (seeded by layer); the rest is the checkpoint's
     from protocol.tensors import plan_layout
 

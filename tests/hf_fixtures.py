@@ -55,6 +55,9 @@ DECODERS = {
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "full_attention"],
         pad_token_id=0)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8)),  # scaled embeddings, tied
+    # soft-capped attention and logits (caps low enough to bite), alternate layers slide
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=8, sliding_window=4, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
         logits_scaling=4.0, tie_word_embeddings=False)),

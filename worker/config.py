@@ -23,7 +23,7 @@ class ModelConfig:
     model: str = "bert"
     """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), hf:PATH (a local
     Hugging Face directory: BERT/RoBERTa/XLM-RoBERTa classifiers, GPT-2, Llama, Mistral,
-    Qwen2/3, Phi-3, OLMo-2, SmolLM3, Gemma, Granite: causal LMs, or classifiers), or
+    Qwen2/3, Phi-3, OLMo-2, SmolLM3, Gemma 1/2, Granite: causal LMs, or classifiers), or
     package.module:Class, a
     worker.models.LayeredModel of your own built from this config."""
     layers: int = 4

@@ -3,13 +3,13 @@ directory; nothing is downloaded).
 
 Supported (families.py): BERT, RoBERTa and XLM-RoBERTa as sequence classifiers (a
 ``...ForSequenceClassification`` checkpoint, or any other of the type, e.g. a masked-LM or base
-model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to
-the token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2,
-Qwen3, Phi-3, OLMo-2, SmolLM3, Gemma and Granite: grouped-query attention, sliding-window and
-no-rotary layers, tied embeddings, scaled embeddings and logits), these also as sequence
-classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's).
-The stages call the library's own modules (stages.py); the EPS never sees any of this, only the
-manifest.
+model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to the
+token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3,
+Phi-3, OLMo-2, SmolLM3, Gemma, Gemma 2 and Granite: grouped-query attention, sliding-window and
+no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits), these also
+as sequence classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a
+causal LM's). The stages call the library's own modules (stages.py); the EPS never sees any of
+this, only the manifest.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class HfModel(LayeredModel):
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {limit} positions the "
                              "model's position embeddings cover")
         # What from_pretrained would pick; the library's modules read it from the config.
-        c._attn_implementation = c._attn_implementation or "sdpa"
+        c._attn_implementation = c._attn_implementation or families.ARCH[
+            c.model_type].attention()
         self.dropout = max((v for k, v in c.to_dict().items()
                             if isinstance(v, float) and "drop" in k), default=0.0)
         self._kinds = families.block_kinds(c)

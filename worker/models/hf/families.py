@@ -47,12 +47,18 @@ class Arch:
     scaled_embedding: bool = False  # Gemma: the embedding module multiplies by sqrt(hidden)
     multipliers: bool = False  # Granite: embedding_multiplier in, logits / logits_scaling out
     nope_layers: bool = False  # SmolLM3: the layers no_rope_layers marks 0 use no rotary
+    softcap: bool = False  # Gemma 2: logits = tanh(logits / cap) * cap (final_logit_softcapping)
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer")."""
         module = importlib.import_module(f"transformers.models.{self.module}.modeling_"
                                          f"{self.module}")
         return getattr(module, f"{self.prefix}{name}")
+
+    def attention(self) -> str:
+        """The attention from_pretrained picks by default: SDPA where the model supports it
+        (Gemma 2's soft-capped attention does not: eager)."""
+        return "sdpa" if self.cls("PreTrainedModel")._supports_sdpa else "eager"
 
 
 ARCH = {
@@ -68,6 +74,8 @@ ARCH = {
     "olmo2": Arch("Olmo2", "olmo2"),
     "smollm3": Arch("SmolLM3", "smollm3", sliding="layer_types", nope_layers=True),
     "gemma": Arch("Gemma", "gemma", scaled_embedding=True),
+    "gemma2": Arch("Gemma2", "gemma2", sliding="layer_types", scaled_embedding=True,
+                   softcap=True),
     "granite": Arch("Granite", "granite", multipliers=True),
 }
 
@@ -89,7 +97,7 @@ GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
     "post": [("ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
 
 DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
-                  "granite"), "ForCausalLM", "lm", "model.", {
+                  "gemma2", "granite"), "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
     "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
@@ -142,8 +150,8 @@ def max_positions(config) -> int | None:
 
 def block_kinds(config) -> list[str]:
     """The stage kind of each block (blocks of one kind compute alike), by each model's own
-    rule: Mistral and Phi-3 slide every layer when ``sliding_window`` is set, Qwen2/3 and
-    SmolLM3 follow ``layer_types``, the others never slide; SmolLM3's ``no_rope_layers``
+    rule: Mistral and Phi-3 slide every layer when ``sliding_window`` is set, Qwen2/3, Gemma 2
+    and SmolLM3 follow ``layer_types``, the others never slide; SmolLM3's ``no_rope_layers``
     marks the layers without rotary ("-nope")."""
     n, arch = config.num_hidden_layers, ARCH[config.model_type]
     kinds = ["block"] * n

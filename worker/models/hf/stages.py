@@ -123,19 +123,21 @@ class Gpt2Block(nn.Module):
 
 class LmHead(nn.Module):
     """A final norm and the LM head (its weight may be tied to the token embedding); Granite
-    divides the logits by ``divisor``."""
+    divides the logits by ``divisor``, Gemma 2 soft-caps them at ``softcap``."""
 
     def __init__(self, norm: nn.Module, norm_name: str, hidden: int, vocab: int,
-                 divisor: float = 1.0):
+                 divisor: float = 1.0, softcap: float | None = None):
         super().__init__()
         setattr(self, norm_name, norm)
-        self.norm_name, self.divisor = norm_name, divisor
+        self.norm_name, self.divisor, self.softcap = norm_name, divisor, softcap
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, x, batch):
         logits = self.lm_head(getattr(self, self.norm_name)(x))
         if self.divisor != 1.0:
             logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return sum_cross_entropy(logits, batch.targets, batch.norm)
 
 
@@ -210,4 +212,5 @@ class DecoderClassifier(nn.Module):
 def decoder_head(config, arch) -> LmHead:
     norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
     return LmHead(norm, "norm", config.hidden_size, config.vocab_size,
-                  config.logits_scaling if arch.multipliers else 1.0)
+                  config.logits_scaling if arch.multipliers else 1.0,
+                  config.final_logit_softcapping if arch.softcap else None)
