@@ -1,4 +1,10 @@
 import os
+import secrets
+
+# L2L_TEST_SESSION marks every process this test run starts (xdist workers inherit the
+# controller's): a region of a live run whose lock holder lacks it belongs to another run on
+# this machine (a demo, a second suite), not to a leak of this one.
+os.environ["L2L_TEST_SESSION"] = os.environ.get("L2L_TEST_SESSION") or secrets.token_hex(8)
 
 # fp32 means fp32 on a GPU too, in this process and the ones it starts (tests/helpers.ENV):
 # images that turn TF32 on by environment (NVIDIA's) would make every fp32 comparison a TF32 one.
@@ -8,12 +14,13 @@ os.environ.pop("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", None)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from protocol.shm import list_regions
+from protocol.shm import SHM_DIR, list_regions
 
 from .helpers import Cluster
 
 torch.set_num_threads(1)
 REGIONS = pytest.StashKey[set]()
+SESSION = "L2L_TEST_SESSION"
 
 
 @pytest.fixture
@@ -46,12 +53,51 @@ def make():
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
+def _lock_holders() -> dict[int, int]:
+    """{inode: pid} of the flock()s held on this machine (/proc/locks)."""
+    holders = {}
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK":
+                    holders[int(fields[5].rsplit(":", 1)[1])] = int(fields[4])
+    except OSError:
+        pass
+    return holders
+
+
+def _ours(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{SESSION}={os.environ[SESSION]}".encode() in f.read().split(b"\0")
+    except OSError:  # gone, or not readable (another user's): not a process of this run
+        return False
+
+
+def leaked_regions(before: set[str]) -> set[str]:
+    """Regions made since ``before`` less those of runs that live processes of other test runs
+    or jobs hold (their run lock, l2l-<run>-lock, flock()ed by a process without this run's
+    mark). A region of a dead run, or of a run a process of this one still holds, leaked."""
+    new = set(list_regions("l2l-")) - before
+    holders = _lock_holders()
+    foreign = set()
+    for run in {name.split("-")[1] for name in new if name.count("-") >= 2}:
+        try:
+            pid = holders.get(os.stat(os.path.join(SHM_DIR, f"l2l-{run}-lock")).st_ino)
+        except FileNotFoundError:
+            continue
+        if pid is not None and not _ours(pid):
+            foreign |= {name for name in new if name.split("-")[1] == run}
+    return new - foreign
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_regions():
     """Every test run must leave /dev/shm as it found it."""
     before = set(list_regions("l2l-"))
     yield
-    leaked = set(list_regions("l2l-")) - before
+    leaked = leaked_regions(before)
     assert XDIST_WORKER or not leaked, f"shared memory leaked by the tests: {sorted(leaked)}"
 
 
@@ -62,7 +108,7 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     if XDIST_WORKER or not getattr(session.config.option, "numprocesses", None):
         return  # checked by the fixture above
-    leaked = set(list_regions("l2l-")) - session.config.stash[REGIONS]
+    leaked = leaked_regions(session.config.stash[REGIONS])
     if leaked:
         print(f"\nshared memory leaked by the tests: {sorted(leaked)}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
