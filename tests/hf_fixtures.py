@@ -62,15 +62,36 @@ DECODERS = {
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
         logits_scaling=4.0, tie_word_embeddings=False)),
 }
-ENCODERS = ("bert", "bert-base", "roberta", "roberta-mlm", "xlm-roberta")
+ENCODERS = ("bert", "bert-base", "bert-mlm", "roberta", "roberta-mlm", "xlm-roberta")
+
+
+def bpe_tokenizer(path: Path, specials: list[str], eos: str):
+    """A byte-level BPE tokenizer (as GPT-2's and Llama 3's: a word carries the space before
+    it, offsets untrimmed) trained on WORDS, saved with save_pretrained over ``path``'s."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    corpus = [" ".join(sentences(20, seed=s)) + " system user assistant" for s in range(20)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["[PAD]", "[UNK]", *specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   eos_token=eos)
+    fast.save_pretrained(str(path))
+    return fast
 
 
 def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
-    """A save_pretrained directory of a tiny model of ``family``: bert (sequence classifier,
-    3 labels), bert-base (BertModel alone), roberta and xlm-roberta (sequence classifiers),
-    roberta-mlm (a masked LM: the classifier is new, the LM head unused), gpt2 (tied), or one
-    of DECODERS (llama: grouped-query attention, qwen2: tied embeddings and attention biases,
-    mistral: sliding window, ...), or one of them with "-cls": its sequence classifier."""
+    """A save_pretrained directory of a tiny model of ``family``: bert (sequence classifier, 3
+    labels), bert-base (BertModel alone), bert-mlm (a masked LM, without a pooler), roberta
+    and xlm-roberta (sequence classifiers), roberta-mlm (a masked LM: the classifier is new,
+    the LM head unused), gpt2 (tied), or one of DECODERS (llama: grouped-query attention,
+    qwen2: tied embeddings and attention biases, mistral: sliding window, ...), or one of
+    them with "-cls": its sequence classifier."""
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
@@ -82,7 +103,8 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
                       num_labels=3)
         if family.startswith("bert"):
             cfg = tf.BertConfig(**common, **over)
-            model = (tf.BertForSequenceClassification if family == "bert" else tf.BertModel)(cfg)
+            model = {"bert": tf.BertForSequenceClassification, "bert-base": tf.BertModel,
+                     "bert-mlm": tf.BertForMaskedLM}[family](cfg)  # the MLM has no pooler
         else:  # RoBERTa pads with the tokenizer's [PAD] (0); positions start after it
             kind = "XLMRoberta" if family == "xlm-roberta" else "Roberta"
             cfg = getattr(tf, f"{kind}Config")(**common, pad_token_id=0, bos_token_id=2,
@@ -91,8 +113,8 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
             model = getattr(tf, f"{kind}{head}")(cfg)
         tokenizer(path, "bert")
     elif family == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                            **over)
+        cfg = tf.GPT2Config(**{**dict(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2,
+                                      n_positions=64), **over})
         model = tf.GPT2LMHeadModel(cfg)
         tokenizer(path, "lm")
     else:  # "<decoder>-cls": its sequence classifier (3 labels, pooled at the last real token)

@@ -166,8 +166,9 @@ def test_parquet_reads_as_the_text_formats_do(models, tmp_path):
                for k in ("ids", "starts", "types", "labels"))
     lm = fx.lm_jsonl(tmp_path / "lm.jsonl")
     texts = [json.loads(line)["text"] for line in lm.read_text().splitlines()]
-    pq.write_table(pa.table({"text": texts, "id": list(range(len(texts)))}),
-                   tmp_path / "lm.parquet")
+    # other columns are left alone ("prompt" without "completion" too)
+    pq.write_table(pa.table({"text": texts, "id": list(range(len(texts))),
+                             "prompt": ["x"] * len(texts)}), tmp_path / "lm.parquet")
     a, b = task(models["gpt2"], lm).enc, task(models["gpt2"], tmp_path / "lm.parquet").enc
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.starts, b.starts)
 

@@ -37,11 +37,13 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
 
 
 @pytest.mark.parametrize("family, pairs, classes", [
-    ("bert", True, 0), ("roberta", False, 0), ("roberta-mlm", False, 3), ("xlm-roberta", False, 0),
+    ("bert", True, 0), ("bert-mlm", False, 3), ("roberta", False, 0), ("roberta-mlm", False, 3),
+    ("xlm-roberta", False, 0),
     ("gpt2", False, 0), *((f, False, 0) for f in fx.DECODERS), ("qwen3-cls", False, 0),
     ("llama", False, 3)])
 def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
-    """BERT classifier on sentence pairs (token types); RoBERTa (positions from the padding,
+    """BERT classifier on sentence pairs (token types), and from a masked LM (a new pooler and
+    head); RoBERTa (positions from the padding,
     a first-token head) from a classifier and, with a new head (``classes``), from a masked LM;
     GPT-2 with its tied LM head; the decoders of fx.DECODERS (grouped-query attention, windows
     shorter than the sequence, layers without rotary, scaled embeddings and logits, tied heads)

@@ -24,8 +24,12 @@ CHAT = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} [SEP] {% endf
         "{% if add_generation_prompt %}assistant {% endif %}")
 
 
-def lm_model(tmp_path, template: str | None = CHAT, seq_len: int = SEQ):
-    path = fx.model_dir(tmp_path / "model", "gpt2")
+def lm_model(tmp_path, template: str | None = CHAT, seq_len: int = SEQ, bpe: tuple = ()):
+    """The tiny GPT-2 with ``template``; ``bpe``: (special tokens, end-of-text) of a byte-level
+    BPE tokenizer in place of the word-level one."""
+    path = fx.model_dir(tmp_path / "model", "gpt2", n_positions=max(64, seq_len))
+    if bpe:
+        fx.bpe_tokenizer(path, *bpe)
     if template is not None:
         tok = transformers.AutoTokenizer.from_pretrained(str(path))
         tok.chat_template = template
@@ -110,6 +114,50 @@ def test_a_prompt_longer_than_the_sequence_trains_nothing(tmp_path, caplog):
     assert t.targets.tolist() == [0, 3]
 
 
+# as Phi-3's: the end-of-text token closes the whole conversation only
+PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% else %}<|endoftext|>{% endif %}")
+# as ChatML (Qwen), and as Qwen3's: an empty thinking block opens only the assistant turns
+# after the last user message, so a conversation's prefix is not rendered as a prefix
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN3 = ("{% set last = namespace(i=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set last.i = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+         "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.index0 > last.i %}"
+         "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, eos, closing, last", [
+    (CHAT, "[SEP]", " [SEP] ", " [SEP] "),
+    (CHATML, "<|im_end|>", "<|im_end|>\n", "<|im_end|>\n"),
+    (QWEN3, "<|im_end|>", "<|im_end|>\n", "<|im_end|>\n"),
+    (PHI3, "<|endoftext|>", "<|end|>\n", "<|end|>\n<|endoftext|>")])
+def test_chat_templates_of_real_models_with_a_byte_level_tokenizer(tmp_path, template, eos,
+                                                                    closing, last):
+    """Two assistant turns after a system and two user turns: the targets decode to exactly the
+    assistant contents and the template's closing of each turn (the end-of-text token that
+    Phi-3 writes after the last), also where a word's token carries the space before it (CHAT)
+    and where the template does not render a conversation's prefix as a prefix (Qwen3)."""
+    specials = ["[SEP]", "<|im_start|>", "<|im_end|>", "<|system|>", "<|user|>", "<|assistant|>",
+                "<|end|>", "<|endoftext|>", "<think>", "</think>"]
+    model = lm_model(tmp_path, template, seq_len=96, bpe=(specials, eos))
+    tok = model.tokenizer()
+    chat = [{"role": "system", "content": "be"},
+            {"role": "user", "content": "good"},
+            {"role": "assistant", "content": "great music"},
+            {"role": "user", "content": "and"},
+            {"role": "assistant", "content": "fine"}]
+    t = task(model, jsonl(tmp_path / "chat.jsonl", [{"messages": chat}] * 8))
+    for row in t.micro_batch(0, 0, 4, 1.0).targets:
+        got = tok.decode([int(i) for i in row if i != -100])
+        if template == CHAT:  # "assistant great": the first word's token brings its space
+            got, closing, last = (" ".join(x.split()) for x in (got, closing, last))
+            assert got == f"great music {closing} fine {last}"
+        else:
+            assert got == f"great music{closing}fine{last}"
+
+
 @pytest.mark.parametrize("content, template, message", [
     ('{"prompt": "a", "completion": "b"}\n{"text": "c"}\n', CHAT,
      "x.jsonl:2: a text record in a file of prompt records"),
@@ -122,11 +170,18 @@ def test_a_prompt_longer_than_the_sequence_trains_nothing(tmp_path, caplog):
     ('{"label": 1}\n', CHAT, 'x.jsonl:1: needs a "text" string or "prompt" and'),
     ('{"messages": [{"role": "assistant", "content": "a"}]}\n', None,
      "x.jsonl: messages need a chat template"),
-    # renders the last message apart: a conversation's prefix is not a prefix of the whole
+    # a template that renders contents by what they say: the turns cannot be located
     ('\n{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": '
-     '"b"}]}\n', "{% for m in messages %}{% if loop.last %}last {% endif %}{{ m['content'] }} "
-     "{% endfor %}", "x.jsonl:2: the chat template does not render the conversation up to "
-     "message 1 as a prefix"),
+     '"b"}]}\n', "{% for m in messages %}{% if 'b' in m['content'] %}B {% endif %}"
+     "{{ m['content'] }} {% endfor %}", "x.jsonl:2: the chat template: the chat template "
+     "renders this conversation differently by its contents"),
+    ('{"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": '
+     '"b"}]}\n', "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}"
+     "{% endif %}{% endfor %}", "x.jsonl:1: the chat template: the chat template leaves out "
+     "or alters message 0"),
+    ('{"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": '
+     '"b"}]}\n', "{{ raise_exception('no system role') }}",
+     "x.jsonl:1: the chat template: no system role"),
 ])
 def test_bad_records_are_refused_by_line(tmp_path, content, template, message):
     model = lm_model(tmp_path, template)

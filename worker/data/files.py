@@ -47,6 +47,15 @@ class Records:
     kind: str = "text"
     completions: list[str] | None = None
     chats: list[list[dict]] | None = None
+    unit: str = "line"  # what ``lines`` number: the file's lines, or a table's rows (Parquet)
+
+    def where(self, k: int) -> str:
+        """Sample k's place in the file, e.g. "line 12" or "row 12"."""
+        return f"{self.unit} {self.lines[k]}"
+
+    def at(self, k: int) -> str:
+        """Sample k's place after the file's name in an error: ":12" or ": row 12"."""
+        return f":{self.lines[k]}" if self.unit == "line" else f": {self.where(k)}"
 
 
 def data_format(path: str, fmt: str) -> str:
@@ -224,14 +233,17 @@ def read_parquet(path: str, classes: int | None, text: str, pair: str, label: st
     except Exception as e:  # pyarrow raises several kinds for a file that is not Parquet
         raise DataError(f"{path}: not a Parquet file ({e})") from None
     names = table.schema_arrow.names
-    wanted = [text, label, *([pair] if pair else [])] if classes else \
-        [n for n in ("text", "prompt", "completion", "messages") if n in names]
+    if classes:
+        wanted = [text, label, *([pair] if pair else [])]
+    else:  # the columns of one kind of record, as a row of JSONL would have them
+        kinds = (["messages"], ["prompt", "completion"], ["text"])
+        wanted = next((k for k in kinds if set(k) <= set(names)), [])
+        if not wanted:
+            raise DataError(f"{path}: no column text, prompt + completion or messages "
+                            f"(columns: {', '.join(names)})")
     for name in wanted:
         if name not in names:
             raise DataError(f"{path}: no column {name!r} (columns: {', '.join(names)})")
-    if not wanted:
-        raise DataError(f"{path}: no column text, prompt + completion or messages (columns: "
-                        f"{', '.join(names)})")
 
     def rows():
         number = 0
@@ -241,8 +253,10 @@ def read_parquet(path: str, classes: int | None, text: str, pair: str, label: st
                 yield f"{path}: row {number}", number, row
 
     if not classes:
-        return read_records(path, rows(), None)
-    out = Records([], [] if pair else None, [], [])
+        out = read_records(path, rows(), None)
+        out.unit = "row"
+        return out
+    out = Records([], [] if pair else None, [], [], unit="row")
     for where, number, row in rows():
         out.texts.append(_text(where, row[text], text))
         if pair:

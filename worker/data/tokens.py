@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .files import Records
+from .sft import CHUNK, chat_samples, prompt_samples
 
 log = logging.getLogger("l2l_worker")
 
-CHUNK = 10_000  # texts per tokenizer call
+FORMAT = 2  # of the cached arrays: a cache of another format is made again
 
 
 @dataclass
@@ -54,8 +55,8 @@ def cache_key(data: str, tokenizer_dir: str, options: tuple) -> str:
     import transformers
 
     st = os.stat(data)
-    h = hashlib.sha256(repr((os.path.abspath(data), st.st_size, st.st_mtime_ns, options,
-                             transformers.__version__, tokenizers.__version__)).encode())
+    h = hashlib.sha256(repr((FORMAT, os.path.abspath(data), st.st_size, st.st_mtime_ns,
+                             options, transformers.__version__, tokenizers.__version__)).encode())
     for name in sorted(os.listdir(tokenizer_dir)):
         if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens",
                             "chat_template", "config.json")):
@@ -73,7 +74,9 @@ def encode(records: Records, tokenizer, max_length: int | None, min_length: int 
     if max_length is None:
         return _stream(records, tokenizer)
     if records.kind != "text":
-        enc = (_prompts if records.kind == "prompt" else _chats)(records, tokenizer, max_length)
+        samples = (prompt_samples if records.kind == "prompt" else chat_samples)(records,
+                                                                                tokenizer)
+        enc = _joined(samples, max_length)
         return _checked(enc, records, min_length)
     ids, types, starts = [], [], [0]
     pairs = records.pairs
@@ -97,15 +100,15 @@ def _checked(enc: Encoded, records: Records, min_length: int) -> Encoded:
     short = np.flatnonzero(enc.lengths() < min_length)
     if len(short):
         n = int(enc.lengths()[short[0]])
-        raise ValueError(f"{records.lines[int(short[0])]}: {n} token(s), fewer than the "
+        raise ValueError(f"{records.at(int(short[0]))}: {n} token(s), fewer than the "
                          f"{min_length} a sample needs")
     if enc.targets is not None:
         lengths = enc.lengths()
         empty = np.flatnonzero(target_counts(enc) == 0)
         if len(empty):
-            log.warning("%d of %d samples (the first at line %d) keep no target token within "
+            log.warning("%d of %d samples (the first at %s) keep no target token within "
                         "--seq-len %d tokens: they train nothing", len(empty), len(lengths),
-                        records.lines[int(empty[0])], int(lengths.max()))
+                        records.where(int(empty[0])), int(lengths.max()))
     return enc
 
 
@@ -127,56 +130,6 @@ def _joined(samples: list[tuple[list[int], list[int]]], max_length: int) -> Enco
         ids[starts[k]:starts[k + 1]] = seq[:max_length]
         targets[starts[k]:starts[k + 1]] = flags[:max_length]
     return Encoded(ids, starts, targets=targets)
-
-
-def _prompts(records: Records, tokenizer, max_length: int) -> Encoded:
-    """Prompt (with the tokenizer's special tokens), then completion and end-of-text, each
-    tokenised apart (as a prompt ends when generation starts); only the completion and the
-    end-of-text token are targets. Cut at ``max_length`` from the end."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    samples = []
-    for lo in range(0, len(records.texts), CHUNK):
-        prompts = tokenizer(records.texts[lo:lo + CHUNK], return_attention_mask=False)
-        completions = tokenizer(records.completions[lo:lo + CHUNK], add_special_tokens=False,
-                                return_attention_mask=False)
-        for p, c in zip(prompts["input_ids"], completions["input_ids"]):
-            samples.append((p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))))
-    return _joined(samples, max_length)
-
-
-def _chats(records: Records, tokenizer, max_length: int) -> Encoded:
-    """Each conversation rendered by the tokenizer's chat template and tokenised once; the
-    tokens of each assistant turn (what the template renders after the generation prompt, up to
-    the end of that turn) are targets. The template must render each conversation's prefix as
-    a prefix of the whole, as generation does; a template that does not is refused."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(" messages need a chat template, and the model's tokenizer has none "
-                         "(add chat_template.jinja, or use prompt/completion records)")
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(" messages need a fast tokenizer (tokenizer.json: character offsets "
-                         "mark the assistant turns)")
-
-    def render(messages, prompt=False) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=prompt)
-
-    samples = []
-    for line, chat in zip(records.lines, records.chats):
-        text, spans = render(chat), []
-        for i, m in enumerate(chat):
-            if m["role"] != "assistant":
-                continue
-            before, through = render(chat[:i], True), render(chat[:i + 1])
-            if not (text.startswith(before) and text.startswith(through)):
-                raise ValueError(f"{line}: the chat template does not render the conversation "
-                                 f"up to message {i} as a prefix of the whole; its assistant "
-                                 "turns cannot be told apart")
-            spans.append((len(before), len(through)))
-        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
-                        return_attention_mask=False)
-        flags = [int(any(a <= lo < b for a, b in spans)) for lo, _ in out["offset_mapping"]]
-        samples.append((out["input_ids"], flags))
-    return _joined(samples, max_length)
 
 
 def _stream(records: Records, tokenizer, piece: int = 1 << 20) -> Encoded:
@@ -205,8 +158,8 @@ def cached_encode(data: str, records_fn, tokenizer, tokenizer_dir: str,
     records = records_fn()
     try:
         enc = encode(records, tokenizer, max_length, min_length)
-    except ValueError as e:
-        raise ValueError(f"{data}:{e}") from None
+    except ValueError as e:  # the message starts with the sample's place (Records.at)
+        raise ValueError(f"{data}{e}") from None
     seconds = time.perf_counter() - t0
     log.info("tokenised %s: %d lines, %d tokens in %.1f s (%.0f s per million lines); cached "
              "in %s", data, len(records.texts), len(enc.ids), seconds,

@@ -4,9 +4,9 @@ In: ``HfCheckpoint`` reads a ``save_pretrained`` directory (``model.safetensors`
 listed in ``model.safetensors.index.json``) as views of the mapped files, tensor by tensor, so
 bootstrapping a large model never holds it (nor a copy of it) in the worker. A checkpoint of
 the base model alone (e.g. ``BertModel`` for a sequence classifier) names its tensors without
-the base prefix; tensors it lacks (a new classifier) are initialised as the library would
-(normal(0, initializer_range), norms 1, biases 0), seeded by (seed, layer), and listed in a
-warning.
+the base prefix; tensors it lacks (a new classifier, BERT's pooler) are initialised as the
+library initialises a Linear (matrices normal(0, initializer_range), vectors 0), seeded by
+(seed, layer), and listed in a warning.
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model), ``model.safetensors`` with the library's names (a tied tensor once, under

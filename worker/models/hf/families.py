@@ -82,7 +82,8 @@ ARCH = {
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
     "pre": [("embeddings.", "bert.embeddings.")],
     "block": [("layer.", "bert.encoder.layer.{i}.")],
-    "post": [("pooler.", "bert.pooler."), ("classifier.", "classifier.")]}, ("classifier.",))
+    "post": [("pooler.", "bert.pooler."), ("classifier.", "classifier.")]},
+              ("classifier.", "bert.pooler."))  # a masked LM's checkpoint has no pooler
 
 # RoBERTa's sequence classifier has no pooler: its head reads the first token
 ROBERTA = Family(("roberta", "xlm-roberta"), "ForSequenceClassification", "classify",
