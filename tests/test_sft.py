@@ -196,3 +196,20 @@ def test_a_classifier_refuses_language_model_records(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"prompt": "a", "completion": "b", "label": 1}\n')
     with pytest.raises(DataError, match="x.jsonl:1: prompt records train a language model"):
         task(bert, str(tmp_path / "x.jsonl"))
+
+
+def test_a_prompt_keeps_the_tokens_a_text_starts_with_but_not_those_it_ends_with(tmp_path):
+    """A tokenizer that wraps a text ("[CLS] text [SEP]") starts the prompt with "[CLS]" and
+    does not end it with "[SEP]": the sample is [CLS] prompt completion [SEP]."""
+    from worker.data.files import Records
+    from worker.data.sft import prompt_samples
+
+    path = tmp_path / "tok"
+    path.mkdir()
+    tok = fx.tokenizer(path, "bert")
+    tok.eos_token = "[SEP]"
+    records = Records(["the movie"], None, None, [1], kind="prompt", completions=["was good"])
+    [(ids, flags)] = prompt_samples(records, tok)
+    words = tok.convert_ids_to_tokens(ids)
+    assert words == ["[CLS]", "the", "movie", "was", "good", "[SEP]"]
+    assert flags == [0, 0, 0, 1, 1, 1]

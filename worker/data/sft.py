@@ -1,8 +1,9 @@
 """Supervised fine-tuning samples: token ids and, per token, whether it is a target.
 
-    prompt/completion  the prompt with the tokenizer's special tokens, then the completion and
-                       the end-of-text token, tokenised apart (a prompt ends where generation
-                       starts); the completion and end-of-text are targets
+    prompt/completion  the prompt after the special tokens the tokenizer starts a text with
+                       (BOS), then the completion and the end-of-text token, tokenised apart
+                       (a prompt ends where generation starts); the completion and end-of-text
+                       are targets
     messages           the conversation as the model's chat template renders it, tokenised once;
                        each assistant message's content and the text that closes its turn
                        (e.g. ``<|im_end|>``) are targets, located by character offsets
@@ -27,16 +28,30 @@ CHUNK = 10_000  # texts per tokenizer call (tokens.py too)
 Samples = list[tuple[list[int], list[int]]]  # (token ids, target flags) per sample
 
 
+def _leading_specials(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text (e.g. BOS), not those after it (a
+    tokenizer that appends EOS or SEP would otherwise end the prompt with one)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k:k + len(plain)] == plain:
+            return full[:k]
+    return []
+
+
 def prompt_samples(records: Records, tokenizer) -> Samples:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if not eos:
         log.warning("the tokenizer has no end-of-text token: completions train without one")
+    first = _leading_specials(tokenizer)
     samples = []
     for lo in range(0, len(records.texts), CHUNK):
-        prompts = tokenizer(records.texts[lo:lo + CHUNK], return_attention_mask=False)
+        prompts = tokenizer(records.texts[lo:lo + CHUNK], add_special_tokens=False,
+                            return_attention_mask=False)
         completions = tokenizer(records.completions[lo:lo + CHUNK], add_special_tokens=False,
                                 return_attention_mask=False)
         for p, c in zip(prompts["input_ids"], completions["input_ids"]):
+            p = first + p
             samples.append((p + c + eos, [0] * len(p) + [1] * (len(c) + len(eos))))
     return samples
 
