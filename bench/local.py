@@ -62,6 +62,9 @@ class LocalSource:
     def stash_arena(self, nbytes: int):
         raise RuntimeError("the local baseline has no EPS stash")
 
+    def release_arena(self, region) -> None:
+        pass
+
 
 def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
                            steps: int, warmup: int, lr: float = 1e-3, device="cpu") -> float:

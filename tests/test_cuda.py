@@ -159,6 +159,31 @@ def test_device_memory_is_flat_in_depth(cluster, tmp_path):
     assert predicted > 0.5 * peaks["host"][0]  # the flat cases would have shown growth
 
 
+def test_the_eps_stash_outgrows_its_arena_on_cuda(cluster, tmp_path):
+    """Padded text, one text per micro-batch, each a word longer than the last: entries outgrow
+    the EPS stash's arena, which is replaced by a larger one (registered; the old one
+    unregistered and unmapped once no copy can read it) while copies run behind the host. The
+    weights are bitwise those of the device stash, and nothing is refused by the driver."""
+    pytest.importorskip("transformers")
+    from . import hf_fixtures as fx
+
+    path = fx.model_dir(tmp_path / "model", "gpt2")
+    lm = tmp_path / "lm.jsonl"
+    lm.write_text("".join(json.dumps({"text": " ".join(fx.WORDS[:n])}) + "\n"
+                          for n in range(2, 14)))
+    got = {}
+    for stash in ("device", "eps"):
+        cluster.run_job(1, *SMALL, *DEVICE, "--model", f"hf:{path}", "--data", str(lm),
+                        "--no-shuffle", "--micro-batch-size", "1", "--micro-batches", "3",
+                        "--steps", "4", "--stash", stash, "--cuda-delay", f"d2h:{DELAY}",
+                        "--save", str(tmp_path / stash), server_args=("--lr", "1e-3"))
+        assert "cudaHost" not in cluster.log(cluster.procs[-1])
+        cluster.close()
+        got[stash] = load_file(str(tmp_path / stash / "model.safetensors"))
+    for name, want in got["device"].items():
+        assert torch.equal(got["eps"][name], want), name
+
+
 def test_every_shared_mapping_is_registered_with_the_driver(cluster, tmp_path):
     """On CUDA the worker page-locks every EPS mapping it reads (weights) or writes (gradient
     slots, stash arena) with cudaHostRegister; the summary counts them, and none is refused."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 
 import pytest
@@ -94,12 +95,21 @@ class Arena:
 
     def __init__(self):
         self.regions = []
+        self.released = []
 
     def stash_arena(self, nbytes):
+        if self.regions and self.regions[-1].nbytes == nbytes:  # as the EPS: the same one
+            return self.regions[-1]
         name = f"l2l-test-stash-{os.getpid()}-{len(self.regions)}"
         unlink_prefix(name)
         self.regions.append(Region.create(name, nbytes))
         return self.regions[-1]
+
+    def release_arena(self, region):
+        assert region in self.regions and region is not self.regions[-1]  # never the live one
+        self.released.append(region)
+        region.unlink()
+        region.close()
 
     def close(self):
         for r in self.regions:
@@ -111,22 +121,52 @@ CFG = ModelConfig(model="bert", layers=4, hidden=32, heads=2, seq_len=16, vocab=
 
 
 def train_through(monkeypatch, cfg: ModelConfig, micro_batches: int, layer_drop: float, make,
-                  during=contextlib.nullcontext) -> None:
+                  during=contextlib.nullcontext, data=None, batch_size: int = 4) -> Arena:
     """Train ``cfg`` in-process twice, with the device stash and with the stash that
     ``make(arena, layers, micro_batches)`` returns (the run inside ``during()``): bitwise equal."""
-    want = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=4,
-                           layer_drop=layer_drop)
+    want = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=batch_size,
+                           layer_drop=layer_drop, data=data)
     arena = Arena()
     monkeypatch.setattr(worker.executor, "make_stash",
                         lambda _kind, source, streams, layers, u: make(arena, layers, u))
     try:
         with during():
-            got = train_local_l2l(cfg, steps=3, micro_batches=micro_batches, batch_size=4,
-                                  layer_drop=layer_drop)
+            got = train_local_l2l(cfg, steps=3, micro_batches=micro_batches,
+                                  batch_size=batch_size, layer_drop=layer_drop, data=data)
     finally:
         arena.close()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    return arena
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_eps_stash_grows_with_longer_padded_micro_batches(monkeypatch, tmp_path, cuda):
+    """Text padded per micro-batch: boundaries of varying length. An entry longer than the
+    arena's gets a larger arena (entries of the old one are read from it until the step ends,
+    then it is let go): training equals the device stash bitwise, on the CPU and through the
+    CUDA bookkeeping."""
+    pytest.importorskip("transformers")
+    from worker.config import DataConfig
+
+    from . import hf_fixtures as fx
+
+    path = fx.model_dir(tmp_path / "model", "gpt2")
+    # in file order, one text per micro-batch, one word (token) longer each: entries of 2..10
+    # tokens (256 to 1280 bytes, in an arena of 256-byte rooms: some grow it, some fit)
+    lm = tmp_path / "lm.jsonl"
+    lm.write_text("".join(json.dumps({"text": " ".join(fx.WORDS[:n])}) + "\n"
+                          for n in range(2, 11)))
+    data = DataConfig(data=str(lm), shuffle=False)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=16)
+
+    def make(arena, layers, micro_batches):
+        streams = LoggedStreams() if cuda else Streams(torch.device("cpu"))
+        return EpsStash(arena, streams, layers, micro_batches)
+
+    arena = train_through(monkeypatch, cfg, 3, 0.0, make, data=data, batch_size=1)
+    assert len(arena.regions) == 5  # first at 2 tokens, grown at 3, 5, 7 and 9
+    assert arena.released == arena.regions[:-1]  # every outgrown arena let go, once
 
 
 @pytest.mark.parametrize("kind", ["host", "eps"])

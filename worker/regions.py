@@ -79,6 +79,18 @@ class Regions:
             raise RuntimeError(f"the EPS named an unknown region {name!r}")
         return region
 
+    def detach(self, region: Region) -> None:
+        """Unmap a region no longer used (a replaced stash arena); on CUDA once no copy can be
+        reading or writing it, and unregistered first."""
+        if self._regions.pop(region.name, None) is None:
+            return
+        pinned = [b for b in self._pinned if b.data_ptr() == region.base.data_ptr()]
+        if pinned:
+            torch.cuda.synchronize(self.device)
+            unregister_host(pinned[0])
+            self._pinned = [b for b in self._pinned if b is not pinned[0]]
+        region.close()
+
     def close(self) -> None:
         if self._pinned:
             try:

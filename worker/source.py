@@ -8,7 +8,9 @@ to, and the EPS-backed one, assembled once when the worker joins.
     grad_buffer(plan)          (slot, flat fp32 buffer) to accumulate the layer's gradient into
     push(step, plan, slot, buf), drain()   send it (asynchronously); wait for the step's acks
     skip(step, plan)           the layer is skipped this step (LayerDrop): no gradient
-    stash_arena(nbytes)        EPS-owned shared memory for the stash (--stash eps)
+    stash_arena(nbytes)        EPS-owned shared memory for the stash (--stash eps); asked
+                               again, larger, when entries outgrow it (padded text)
+    release_arena(region)      an arena replaced by a larger one is no longer read
     tick()                     the loop made progress (heartbeats go on; see eps_client.py)
     redo(step, layers)         this rank's gradients of ``layers`` for ``step`` are in already
                                (a replacement): their weights must come from the EPS's answer
@@ -50,6 +52,7 @@ class LayerSource(Protocol):
     def skip(self, step: int, plan: LayerPlan) -> None: ...
     def drain(self) -> None: ...
     def stash_arena(self, nbytes: int) -> Region: ...
+    def release_arena(self, region: Region) -> None: ...
     def redo(self, step: int, layers: frozenset[int]) -> None: ...
     def tick(self) -> None: ...
 
@@ -99,8 +102,11 @@ class EpsSource:
         self._weights.locator.ask |= {(layer, step) for layer in layers}
 
     def stash_arena(self, nbytes: int) -> Region:
-        reply = self.client.call(StashArena, nbytes=nbytes)
+        reply = self.client.call(StashArena, nbytes=nbytes)  # replaces (unlinks) the last one
         return self.regions.attach(reply.region, writable=True)
+
+    def release_arena(self, region: Region) -> None:
+        self.regions.detach(region)
 
     def close(self) -> None:
         self._weights.close()

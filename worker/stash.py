@@ -190,8 +190,11 @@ class EpsStash(_Staged):
     """Entries in an arena of EPS-owned shared memory, one per (block, micro-batch); the
     stashed layers are 1..``layers`` (the blocks). The arena is requested on the first put,
     sized for the whole depth from that first boundary (boundaries of a layered model all have
-    one shape); each member of an entry starts at a multiple of 256 bytes. On the CPU the
-    forward goes on reading the arena copy; on CUDA it is staged as the host stash is."""
+    one shape); each member of an entry starts at a multiple of 256 bytes. A larger boundary
+    (padded text: a micro-batch of longer samples) gets a larger arena, each member the most
+    it has needed; the entries already in the old one stay there until the step's end, when it
+    is let go. On the CPU the forward goes on reading the arena copy; on CUDA it is staged as
+    the host stash is."""
 
     def __init__(self, source, streams: Streams, layers: int, micro_batches: int):
         super().__init__(streams, micro_batches)
@@ -200,25 +203,33 @@ class EpsStash(_Staged):
         self.micro_batches = micro_batches
         self.region = None
         self.entry_bytes = 0
-        self._members: list[tuple[int, int]] = []  # (byte offset in the entry, bytes) each
+        self._members: list[tuple[int, int]] = []  # (byte offset in the entry, room) each
+        self._retired: list = []  # arenas outgrown this step: entries of it are still read
+
+    def _arena(self, sizes: list[int]) -> None:
+        """A new arena whose entries hold members of ``sizes`` bytes (rounded up to 256)."""
+        offset, self._members = 0, []
+        for nbytes in sizes:
+            held = -(-nbytes // ENTRY_ALIGN) * ENTRY_ALIGN
+            self._members.append((offset, held))
+            offset += held
+        self.entry_bytes = offset
+        old = self.region
+        self.region = self.source.stash_arena(self.entry_bytes * self.layers * self.micro_batches)
+        if old is not None and self.region is not old:
+            self._retired.append(old)
 
     def _slots(self, layer: int, micro_batch: int, x) -> list[torch.Tensor]:
         parts = members(x)
+        sizes = [t.numel() * t.element_size() for t in parts]
         if self.region is None:
-            offset = 0
-            for t in parts:
-                nbytes = t.numel() * t.element_size()
-                self._members.append((offset, nbytes))
-                offset += -(-nbytes // ENTRY_ALIGN) * ENTRY_ALIGN
-            self.entry_bytes = offset
-            self.region = self.source.stash_arena(
-                self.entry_bytes * self.layers * self.micro_batches)
-        if len(parts) != len(self._members) or any(
-                t.numel() * t.element_size() > nbytes
-                for t, (_, nbytes) in zip(parts, self._members)):
-            raise RuntimeError(f"stash entry of {[tuple(t.shape) for t in parts]} exceeds the "
-                               "arena's: activations of varying size need --stash device or "
-                               "host")
+            self._arena(sizes)
+        elif len(parts) != len(self._members):
+            raise RuntimeError(f"stash entry of {len(parts)} tensors, the earlier ones had "
+                               f"{len(self._members)}: boundaries of varying structure need "
+                               "--stash device or host")
+        elif any(n > held for n, (_, held) in zip(sizes, self._members)):
+            self._arena([max(n, held) for n, (_, held) in zip(sizes, self._members)])
         base = ((layer - 1) * self.micro_batches + micro_batch) * self.entry_bytes
         return [self.region.tensor(t.dtype, (base + offset) // t.element_size(),
                                    t.numel()).view(t.shape)
@@ -243,6 +254,12 @@ class EpsStash(_Staged):
         if self.streams.cuda:
             return super().pop(layer, micro_batch)
         return self._out.pop((layer, micro_batch))[0]
+
+    def clear(self) -> None:
+        super().clear()
+        for region in self._retired:  # no entry of this step is left to read from them
+            self.source.release_arena(region)
+        self._retired.clear()
 
 
 STASHES = ("device", "host", "eps")
