@@ -37,8 +37,8 @@ class DataError(ValueError):
 class Records:
     """Texts (and pairs and labels) read from a file, with their line numbers. ``kind`` "text":
     every token of a text is a target; "prompt": ``texts`` are prompts, the targets are their
-    ``completions``; "chat": ``chats`` are conversations (``texts`` holds their first lines
-    for messages), the targets are the assistant turns."""
+    ``completions``; "chat": ``chats`` are conversations (``texts`` holds each one's first
+    message), the targets are the assistant turns."""
 
     texts: list[str]
     pairs: list[str] | None
