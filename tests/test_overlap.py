@@ -4,6 +4,7 @@ shows the overlap; the in-process baseline of the overlap benchmark is itself ex
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -61,14 +62,17 @@ def test_variant_is_bitwise_identical(cluster, tmp_path, reference, variant):
 
 
 def test_eps_stash_lives_in_the_arena():
-    name = "l2l-test-arena"
+    name = f"l2l-test-arena-{os.getpid()}"
     unlink_prefix(name)
-    regions = []
+    regions, released = [], []
 
     class Source:
         def stash_arena(self, nbytes):
-            regions.append(Region.create(name, nbytes))
+            regions.append(Region.create(f"{name}-{len(regions)}", nbytes))
             return regions[-1]
+
+        def release_arena(self, region):
+            released.append(region)
 
     try:
         stash = EpsStash(Source(), Streams(torch.device("cpu")), layers=3, micro_batches=2)
@@ -80,8 +84,17 @@ def test_eps_stash_lives_in_the_arena():
         assert regions[0].nbytes == 3 * 2 * 8 * 8 * 4  # sized for the whole depth at once
         for key, x in xs.items():
             assert torch.equal(stash.pop(*key), x)
-        with pytest.raises(RuntimeError, match="exceeds"):
-            stash.put(1, 0, torch.randn(9, 8))
+        stash.clear()
+        # a larger entry: a larger arena (rooms of 256 bytes), the old one let go at the end
+        # of the step; an entry of another structure is refused
+        big = torch.randn(9, 8)
+        assert torch.equal(stash.put(1, 0, big), big) and len(regions) == 2
+        assert regions[1].nbytes == 3 * 2 * 512 and not released
+        assert torch.equal(stash.pop(1, 0), big)
+        stash.clear()
+        assert released == regions[:1]
+        with pytest.raises(RuntimeError, match="varying structure"):
+            stash.put(1, 0, (big, big))
     finally:
         for r in regions:
             r.unlink()
