@@ -213,3 +213,22 @@ def test_a_prompt_keeps_the_tokens_a_text_starts_with_but_not_those_it_ends_with
     words = tok.convert_ids_to_tokens(ids)
     assert words == ["[CLS]", "the", "movie", "was", "good", "[SEP]"]
     assert flags == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_json_array_of_records_reads_as_jsonl(tmp_path):
+    """A .json file holding one array of records gives the samples its lines would; a bad
+    record is named by its number."""
+    model = lm_model(tmp_path)
+    records = [{"prompt": p, "completion": c} for p, c in
+               zip(fx.sentences(6, seed=1), fx.sentences(6, seed=2))]
+    lines = task(model, jsonl(tmp_path / "a.jsonl", records)).enc
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=1))
+    array = task(model, str(tmp_path / "a.json")).enc
+    assert all(np.array_equal(getattr(lines, k), getattr(array, k))
+               for k in ("ids", "starts", "targets"))
+    (tmp_path / "b.json").write_text(json.dumps(records[:2] + [{"prompt": "x"}]))
+    with pytest.raises(DataError, match=r"b.json: record 3: needs \"prompt\" and"):
+        task(model, str(tmp_path / "b.json"))
+    (tmp_path / "c.json").write_text('[{"text": "good"},')
+    with pytest.raises(DataError, match="c.json: not a JSON array"):
+        task(model, str(tmp_path / "c.json"))

@@ -4,11 +4,11 @@ undecodable text).
 
     tsv, csv   GLUE layout: a header, a text column, optionally a second text column (sentence
                pairs) and an integer label column
-    jsonl      one object per line: {"text": ..., "label": int} (classification), or, for
-               language modelling, {"text": ...} (every token a target), {"prompt": ...,
-               "completion": ...} (targets: the completion) or {"messages": [{"role": ...,
-               "content": ...}, ...]} (the model's chat template; targets: assistant turns),
-               one kind per file
+    jsonl      one object per line (or a JSON array of them): {"text": ..., "label": int}
+               (classification), or, for language modelling, {"text": ...} (every token a
+               target), {"prompt": ..., "completion": ...} (targets: the completion) or
+               {"messages": [{"role": ..., "content": ...}, ...]} (the model's chat template;
+               targets: assistant turns), one kind per file
     parquet    a table: the columns of tsv (classification) or the keys of jsonl records
     txt        plain text (language modelling), one stream
     tokens     token ids as raw uint16/uint32 (nanoGPT's .bin), memory-mapped
@@ -47,10 +47,11 @@ class Records:
     kind: str = "text"
     completions: list[str] | None = None
     chats: list[list[dict]] | None = None
-    unit: str = "line"  # what ``lines`` number: the file's lines, or a table's rows (Parquet)
+    unit: str = "line"  # what ``lines`` number: the file's lines, a table's rows (Parquet) or
+    #                     the records of a JSON array
 
     def where(self, k: int) -> str:
-        """Sample k's place in the file, e.g. "line 12" or "row 12"."""
+        """Sample k's place in the file, e.g. "line 12", "row 12" or "record 12"."""
         return f"{self.unit} {self.lines[k]}"
 
     def at(self, k: int) -> str:
@@ -171,9 +172,35 @@ def _jsonl_rows(path: str):
         yield f"{path}:{number}", number, obj
 
 
+def _array_rows(path: str):
+    """A JSON file holding one array of records (what some datasets are saved as)."""
+    try:
+        with open(path, "rb") as f:
+            records = json.loads(f.read().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise DataError(f"{path}: not a JSON array ({e})") from None
+    if not isinstance(records, list):
+        raise DataError(f"{path}: not a JSON array")
+    for number, obj in enumerate(records, 1):
+        yield f"{path}: record {number}", number, obj
+
+
+def _starts_an_array(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
 def read_jsonl(path: str, classes: int | None) -> Records:
     """``classes`` None: language modelling (text, prompt/completion or messages records, one
-    kind per file); else ``text`` and ``label`` are required."""
+    kind per file); else ``text`` and ``label`` are required. One record per line, or a JSON
+    array of records (records are then numbered from 1)."""
+    if _starts_an_array(path):
+        out = read_records(path, _array_rows(path), classes)
+        out.unit = "record"
+        return out
     return read_records(path, _jsonl_rows(path), classes)
 
 
