@@ -53,21 +53,25 @@ def make():
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
-def _lock_holders() -> dict[int, int]:
-    """{inode: pid} of the flock()s held on this machine (/proc/locks)."""
+def _lock_holders() -> dict[tuple[int, int, int], int]:
+    """{(device major, minor, inode): pid} of the flock()s held on this machine (/proc/locks:
+    "1: FLOCK ADVISORY WRITE <pid> <major:minor:inode> ...", numbers of the device in hex)."""
     holders = {}
     try:
         with open("/proc/locks") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) >= 6 and fields[1] == "FLOCK":
-                    holders[int(fields[5].rsplit(":", 1)[1])] = int(fields[4])
-    except OSError:
+                    major, minor, inode = fields[5].split(":")
+                    holders[int(major, 16), int(minor, 16), int(inode)] = int(fields[4])
+    except (OSError, ValueError):
         pass
     return holders
 
 
 def _ours(pid: int) -> bool:
+    if pid == os.getpid():  # (its /proc environ is what it started with, without the mark)
+        return True
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return f"{SESSION}={os.environ[SESSION]}".encode() in f.read().split(b"\0")
@@ -84,9 +88,10 @@ def leaked_regions(before: set[str]) -> set[str]:
     foreign = set()
     for run in {name.split("-")[1] for name in new if name.count("-") >= 2}:
         try:
-            pid = holders.get(os.stat(os.path.join(SHM_DIR, f"l2l-{run}-lock")).st_ino)
+            st = os.stat(os.path.join(SHM_DIR, f"l2l-{run}-lock"))
         except FileNotFoundError:
             continue
+        pid = holders.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
         if pid is not None and not _ours(pid):
             foreign |= {name for name in new if name.split("-")[1] == run}
     return new - foreign

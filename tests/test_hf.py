@@ -149,6 +149,32 @@ def test_every_family_exports_what_it_loaded(tmp_path, family, classes):
         assert config.pad_token_id == 0 and config.num_labels == 3  # the fixture's [PAD]
 
 
+def test_a_decoder_classifier_pads_with_what_it_pools_by(tmp_path):
+    """A causal LM's tokenizer without a padding token (as Llama 3's): the classifier takes its
+    end-of-text as padding, the data pads with it, export writes it, and training equals the
+    library's classifier with that config; a type transformers has no classifier for is
+    refused before training."""
+    path = fx.model_dir(tmp_path / "model", "llama")
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    tok.pad_token = None
+    tok.save_pretrained(str(path))
+    mcfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=3)
+    model = build_model(mcfg)
+    eos = tok.eos_token_id
+    assert model.config.pad_token_id == eos != 0 and model.export_config().pad_token_id == eos
+    data = data_for("llama", tmp_path, classes=3)
+    b = build_task(model, data, micro_batch_size=4, global_micro_batches=2).micro_batch(
+        0, 0, 4, 1.0)
+    assert (b.inputs[b.mask == 0] == eos).all() and (b.mask == 0).any()
+    got = train_local_l2l(mcfg, steps=2, micro_batches=2, batch_size=4, data=data)
+    want = train_hf(str(path), data, steps=2, micro_batches=2, batch_size=4, seq_len=SEQ,
+                    classes=3)
+    assert_close(got, {k: v for k, v in want.items() if k in got})
+    granite = fx.model_dir(tmp_path / "granite", "granite")
+    with pytest.raises(ValueError, match="no sequence classifier for granite"):
+        build_model(ModelConfig(model=f"hf:{granite}", classes=3))
+
+
 def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):

@@ -128,8 +128,15 @@ QWEN3 = ("{% set last = namespace(i=0) %}{% for m in messages %}{% if m['role'] 
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# as Llama 3's and Gemma's: contents trimmed
+TRIMMED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+           "{% endif %}")
+
+
 @pytest.mark.parametrize("template, eos, closing, last", [
     (CHAT, "[SEP]", " [SEP] ", " [SEP] "),
+    (TRIMMED, "<|im_end|>", "<|im_end|>\n", "<|im_end|>\n"),
     (CHATML, "<|im_end|>", "<|im_end|>\n", "<|im_end|>\n"),
     (QWEN3, "<|im_end|>", "<|im_end|>\n", "<|im_end|>\n"),
     (PHI3, "<|endoftext|>", "<|end|>\n", "<|end|>\n<|endoftext|>")])
@@ -144,10 +151,10 @@ def test_chat_templates_of_real_models_with_a_byte_level_tokenizer(tmp_path, tem
     model = lm_model(tmp_path, template, seq_len=96, bpe=(specials, eos))
     tok = model.tokenizer()
     chat = [{"role": "system", "content": "be"},
-            {"role": "user", "content": "good"},
+            {"role": "user", "content": "good "},
             {"role": "assistant", "content": "great music"},
             {"role": "user", "content": "and"},
-            {"role": "assistant", "content": "fine"}]
+            {"role": "assistant", "content": "fine" if template != TRIMMED else " fine\n"}]
     t = task(model, jsonl(tmp_path / "chat.jsonl", [{"messages": chat}] * 8))
     for row in t.micro_batch(0, 0, 4, 1.0).targets:
         got = tok.decode([int(i) for i in row if i != -100])

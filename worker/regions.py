@@ -89,6 +89,7 @@ class Regions:
             torch.cuda.synchronize(self.device)
             unregister_host(pinned[0])
             self._pinned = [b for b in self._pinned if b is not pinned[0]]
+        del pinned  # the last view of the mapping here: close() can unmap it
         region.close()
 
     def close(self) -> None:

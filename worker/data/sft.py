@@ -62,22 +62,15 @@ def _marker(i: int) -> str:
 
 def assistant_spans(chat: list[dict], render) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (content and
-    closing text); raises ValueError when the template does not treat contents as text."""
+    closing text); raises ValueError when the template does not treat contents as text (it
+    may trim them, as Llama 3's and Gemma's do)."""
     marked = [dict(m, content=_marker(i)) for i, m in enumerate(chat)]
-    shown = render(marked)
-    pieces, places, at, size = [], [], 0, 0  # the real text, rebuilt around each marker
-    for i, m in enumerate(chat):
-        where = shown.find(_marker(i), at)
-        if where < 0:
-            raise ValueError(f"the chat template leaves out or alters message {i}")
-        pieces += [shown[at:where], m["content"]]
-        size += where - at
-        places.append((size, size + len(m["content"])))
-        size += len(m["content"])
-        at = where + len(_marker(i))
-    pieces.append(shown[at:])
-    text = "".join(pieces)
-    if text != render(chat):
+    shown, real = render(marked), render(chat)
+    for shape in (str, str.strip):  # contents as given, or trimmed
+        text, places = _put_back(shown, [shape(m["content"]) for m in chat])
+        if text == real:
+            break
+    else:
         raise ValueError("the chat template renders this conversation differently by its "
                          "contents; its assistant turns cannot be told apart")
     # what closes an assistant turn: what follows the content when it is the last message
@@ -92,6 +85,23 @@ def assistant_spans(chat: list[dict], render) -> tuple[str, list[tuple[int, int]
                 k += 1
             spans.append((start, end + k))
     return text, spans
+
+
+def _put_back(shown: str, contents: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """``shown`` (rendered with markers) with message i's marker replaced by ``contents[i]``,
+    and where each content lies in the result."""
+    pieces, places, at, size = [], [], 0, 0
+    for i, content in enumerate(contents):
+        where = shown.find(_marker(i), at)
+        if where < 0:
+            raise ValueError(f"the chat template leaves out or alters message {i}")
+        pieces += [shown[at:where], content]
+        size += where - at
+        places.append((size, size + len(content)))
+        size += len(content)
+        at = where + len(_marker(i))
+    pieces.append(shown[at:])
+    return "".join(pieces), places
 
 
 def _inside(lo: int, hi: int, a: int, b: int) -> bool:

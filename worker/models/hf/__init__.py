@@ -6,10 +6,10 @@ Supported (families.py): BERT, RoBERTa and XLM-RoBERTa as sequence classifiers (
 model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to the
 token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3,
 Phi-3, OLMo-2, SmolLM3, Gemma, Gemma 2 and Granite: grouped-query attention, sliding-window and
-no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits), these also
-as sequence classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a
-causal LM's). The stages call the library's own modules (stages.py); the EPS never sees any of
-this, only the manifest.
+no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits), these but
+Granite (the library has no classifier for it) also as sequence classifiers (a
+``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's). The stages call
+the library's own modules (stages.py); the EPS never sees any of this, only the manifest.
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ class HfModel(LayeredModel):
         if self.objective == "classify":
             self._labels(cfg.classes)
         if self.family is families.DECODER_CLASSIFIER and c.pad_token_id is None:
-            # pooled at the last token that is not padding: the padding the data will use
-            # (written on export too, so the library's model pools alike)
+            # pooled at the last token that is not padding: the config names the padding, the
+            # data pads with it (data.text_task), and export writes it, so the library's
+            # model pools alike; without one the tokenizer's, else its end-of-text (the usual
+            # recipe for decoders without a padding token)
             c.pad_token_id = self._pad_id()
         limit = families.max_positions(c)
         if limit is not None and cfg.seq_len > limit:
@@ -82,9 +84,17 @@ class HfModel(LayeredModel):
 
     def _pad_id(self) -> int | None:
         try:
-            return self.tokenizer().pad_token_id
+            tok = self.tokenizer()
         except ValueError:  # no tokenizer: token ids only, and the attention mask tells
             return None
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def pad_id(self, tokenizer) -> int:
+        """The id text is padded with: a decoder classifier's config's (what it pools by),
+        else the tokenizer's, else 0 (masked out)."""
+        if self.family is families.DECODER_CLASSIFIER and self.config.pad_token_id is not None:
+            return self.config.pad_token_id
+        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def make_stage(self, kind: str):
         return families.make_stage(self.config, self.family, kind)

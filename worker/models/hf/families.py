@@ -50,10 +50,11 @@ class Arch:
     softcap: bool = False  # Gemma 2: logits = tanh(logits / cap) * cap (final_logit_softcapping)
 
     def cls(self, name: str):
-        """The library's class ``name`` of this model type (e.g. "DecoderLayer")."""
+        """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
+        has none."""
         module = importlib.import_module(f"transformers.models.{self.module}.modeling_"
                                          f"{self.module}")
-        return getattr(module, f"{self.prefix}{name}")
+        return getattr(module, f"{self.prefix}{name}", None)
 
     def attention(self) -> str:
         """The attention from_pretrained picks by default: SDPA where the model supports it
@@ -125,6 +126,9 @@ def family_of(config, classes: int = 0) -> Family:
         raise ValueError(f"model type {config.model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")
     if family is DECODER and (classes or classifies(config)):
+        if ARCH[config.model_type].cls("ForSequenceClassification") is None:
+            raise ValueError(f"transformers has no sequence classifier for "
+                             f"{config.model_type}: a model trained so could not be loaded")
         family = DECODER_CLASSIFIER
     if config.model_type == "gpt2" and (config.scale_attn_by_inverse_layer_idx
                                         or config.reorder_and_upcast_attn):
