@@ -10,8 +10,8 @@
 
 The assistant turns are found by rendering the conversation with each message's content
 replaced by a marker: the markers' places are where the contents go, provided the template
-treats contents as opaque text (checked: the marked rendering with the contents put back must
-equal the real one). So templates need not render a conversation's prefix as a prefix of the
+treats contents as opaque text (checked: the marked rendering with the contents put back, as
+given or trimmed, must equal the real one). So templates need not render a conversation's prefix as a prefix of the
 whole (Qwen3's and Phi-3's do not). A turn's closing is what the template writes after the last
 assistant message's content, as far as the text after each turn's content agrees with it.
 """
