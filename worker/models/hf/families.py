@@ -134,7 +134,7 @@ def family_of(config, classes: int = 0) -> Family:
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
                          "reorder_and_upcast_attn computes each block differently; not supported")
-    if getattr(config, "is_decoder", False) and family.objective == "classify":
+    if getattr(config, "is_decoder", False) and family in (BERT, ROBERTA):
         raise ValueError(f"a {config.model_type} decoder (is_decoder) is not supported; use an "
                          "encoder checkpoint")
     return family
