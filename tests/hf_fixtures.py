@@ -133,6 +133,16 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
     return path
 
 
+def lengthening_jsonl(path: Path, longest: int) -> Path:
+    """Texts of 2, 3, ..., ``longest`` words (one token each): in file order, each sample
+    longer than the last (padded boundaries that keep growing)."""
+    import json
+
+    path.write_text("".join(json.dumps({"text": " ".join(WORDS[:n])}) + "\n"
+                            for n in range(2, longest + 1)))
+    return path
+
+
 def sentences(n: int, seed: int = 0, min_words: int = 2, max_words: int = 9) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))

@@ -168,9 +168,7 @@ def test_the_eps_stash_outgrows_its_arena_on_cuda(cluster, tmp_path):
     from . import hf_fixtures as fx
 
     path = fx.model_dir(tmp_path / "model", "gpt2")
-    lm = tmp_path / "lm.jsonl"
-    lm.write_text("".join(json.dumps({"text": " ".join(fx.WORDS[:n])}) + "\n"
-                          for n in range(2, 14)))
+    lm = fx.lengthening_jsonl(tmp_path / "lm.jsonl", 13)
     got = {}
     for stash in ("device", "eps"):
         cluster.run_job(1, *SMALL, *DEVICE, "--model", f"hf:{path}", "--data", str(lm),

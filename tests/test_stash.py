@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 
 import pytest
@@ -154,9 +153,7 @@ def test_the_eps_stash_grows_with_longer_padded_micro_batches(monkeypatch, tmp_p
     path = fx.model_dir(tmp_path / "model", "gpt2")
     # in file order, one text per micro-batch, one word (token) longer each: entries of 2..10
     # tokens (256 to 1280 bytes, in an arena of 256-byte rooms: some grow it, some fit)
-    lm = tmp_path / "lm.jsonl"
-    lm.write_text("".join(json.dumps({"text": " ".join(fx.WORDS[:n])}) + "\n"
-                          for n in range(2, 11)))
+    lm = fx.lengthening_jsonl(tmp_path / "lm.jsonl", 10)
     data = DataConfig(data=str(lm), shuffle=False)
     cfg = ModelConfig(model=f"hf:{path}", seq_len=16)
 

@@ -108,9 +108,7 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     # A language-model sample needs two tokens (an input and its target).
     enc = cached_encode(path, records, tokenizer, model.path, None if window else cfg.seq_len,
                         options, min_length=2 if objective == "lm" else 1)
-    pad = model.pad_id(tokenizer) if hasattr(model, "pad_id") else (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    return TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=pad,
+    return TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=model.pad_id(tokenizer),
                     micro_batch_size=size, global_micro_batches=count, window=window)
 
 

@@ -104,6 +104,16 @@ def _text(where: str, text, name: str = "text") -> str:
     return text
 
 
+def _labelled(out: Records, where: str, number: int, text, pair, label, classes: int,
+              names: tuple[str, str] = ("text", "text")) -> None:
+    """Add one classification sample (``pair`` None: no second text) to ``out``."""
+    out.texts.append(_text(where, text, names[0]))
+    if out.pairs is not None:
+        out.pairs.append(_text(where, pair, names[1]))
+    out.labels.append(_label(where, label, classes))
+    out.lines.append(number)
+
+
 def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: int) -> Records:
     """A GLUE-layout TSV/CSV file."""
     lines = [t for _, t in _lines(path)]  # checks the encoding line by line
@@ -124,12 +134,8 @@ def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: i
             continue
         if len(row) != len(header):
             raise DataError(f"{path}:{number}: {len(row)} fields, the header has {len(header)}")
-        where = f"{path}:{number}"
-        out.texts.append(_text(where, row[columns[text]]))
-        if pair:
-            out.pairs.append(_text(where, row[columns[pair]]))
-        out.labels.append(_label(where, row[columns[label]], classes))
-        out.lines.append(number)
+        _labelled(out, f"{path}:{number}", number, row[columns[text]],
+                  row[columns[pair]] if pair else None, row[columns[label]], classes)
     if not out.texts:
         raise DataError(f"{path}: no rows after the header")
     return out
@@ -285,11 +291,8 @@ def read_parquet(path: str, classes: int | None, text: str, pair: str, label: st
         return out
     out = Records([], [] if pair else None, [], [], unit="row")
     for where, number, row in rows():
-        out.texts.append(_text(where, row[text], text))
-        if pair:
-            out.pairs.append(_text(where, row[pair], pair))
-        out.labels.append(_label(where, row[label], classes))
-        out.lines.append(number)
+        _labelled(out, where, number, row[text], row[pair] if pair else None, row[label],
+                  classes, (text, pair))
     if not out.texts:
         raise DataError(f"{path}: the file is empty")
     return out

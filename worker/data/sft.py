@@ -8,12 +8,13 @@
                        each assistant message's content and the text that closes its turn
                        (e.g. ``<|im_end|>``) are targets, located by character offsets
 
-The assistant turns are found by rendering the conversation with each message's content
-replaced by a marker: the markers' places are where the contents go, provided the template
-treats contents as opaque text (checked: the marked rendering with the contents put back, as
-given or trimmed, must equal the real one). So templates need not render a conversation's prefix as a prefix of the
-whole (Qwen3's and Phi-3's do not). A turn's closing is what the template writes after the last
-assistant message's content, as far as the text after each turn's content agrees with it.
+The assistant turns are found by rendering the conversation with each message's content replaced
+by a marker: the markers' places are where the contents go, provided the template treats
+contents as opaque text (checked: the marked rendering with the contents put back, as given or
+trimmed, must equal the real one). So templates need not render a conversation's prefix as a
+prefix of the whole (Qwen3's and Phi-3's do not). A turn's closing is what the template writes
+after the last assistant message's content, as far as the text after each turn's content agrees
+with it.
 """
 
 from __future__ import annotations

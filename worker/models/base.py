@@ -184,6 +184,11 @@ class LayeredModel:
         """{(layer, tensor): (earlier layer, its tensor)}: tensors read from another layer."""
         return {}
 
+    def pad_id(self, tokenizer) -> int:
+        """The id text is padded with (for a model with a tokenizer): the tokenizer's, else 0
+        (the attention mask leaves it out)."""
+        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
     # -- derived ------------------------------------------------------------------------------
 
     @property

@@ -90,11 +90,10 @@ class HfModel(LayeredModel):
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def pad_id(self, tokenizer) -> int:
-        """The id text is padded with: a decoder classifier's config's (what it pools by),
-        else the tokenizer's, else 0 (masked out)."""
+        """A decoder classifier's config's padding (what it pools by), else the default."""
         if self.family is families.DECODER_CLASSIFIER and self.config.pad_token_id is not None:
             return self.config.pad_token_id
-        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return super().pad_id(tokenizer)
 
     def make_stage(self, kind: str):
         return families.make_stage(self.config, self.family, kind)
