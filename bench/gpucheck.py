@@ -2,6 +2,7 @@
 the GPU benchmarks (bench/gpu.py), inside a time budget, into one JSON and one markdown table.
 
     python3 -m bench.gpucheck [--wheels DIR] [--out DIR] [--budget SECONDS] [--full]
+                              [--only tests,transfer,...]
     make gpu-check WHEELS=DIR                                  (the same, with python3)
 
 It needs no network: packages the machine's Python lacks (pyzmq, say) are installed from the
@@ -107,9 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true",
                    help="the whole paper table (T=128,512, u=1,2,4,8) and 384 blocks")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--only", default="",
+                   help="comma-separated parts to run: tests and/or benchmarks among "
+                        + ", ".join(name for name, *_ in PIECES) + " (default: all)")
     p.add_argument("--tiny", action="store_true",
                    help="check this harness on a CPU: tiny models, the CUDA tests skip")
     a = p.parse_args(argv)
+    known = {"tests", *(name for name, *_ in PIECES)}
+    a.only = set(filter(None, a.only.split(","))) or known
+    if a.only - known:
+        p.error(f"--only: unknown part(s) {', '.join(sorted(a.only - known))}; "
+                f"known: {', '.join(sorted(known))}")
+    if a.skip_tests:
+        a.only.discard("tests")
     t0 = time.monotonic()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -173,15 +184,17 @@ def check(a, t0: float, out: Path, work: Path) -> int:
     print(f"gpu-check: {c.report['device']}, torch {c.report['torch']} (CUDA "
           f"{c.report['cuda']}), budget {a.budget:.0f} s", flush=True)
     left = lambda: a.budget - (time.monotonic() - t0)  # noqa: E731
-    if a.skip_tests:
-        c.report["tests"] = {"not_run": "--skip-tests"}
+    pieces = [piece for piece in PIECES if piece[0] in a.only]
+    if "tests" not in a.only:
+        c.report["tests"] = {"not_run": "not asked for (--skip-tests or --only)"}
     elif not importable("pytest"):
         c.report["tests"] = {"not_run": f"{sys.executable} has no pytest"}
     else:
-        c.report["tests"] = guarded(lambda: run_tests(c, env, min(left() - 220, 240), a.tiny))
+        keep = 220 if pieces else 10  # seconds left for the benchmarks
+        c.report["tests"] = guarded(lambda: run_tests(c, env, min(left() - keep, 240), a.tiny))
     c.report["seconds"] = round(time.monotonic() - t0, 1)
     c.save()
-    for name, piece, quick, whole, need, cap in PIECES:
+    for name, piece, quick, whole, need, cap in pieces:
         if left() < need:
             c.report["benchmarks"][name] = {"not_run": f"time budget ({left():.0f} s left, "
                                                        f"needs ~{need})"}
@@ -240,13 +253,14 @@ def install_wheels(folder: Path, site: Path) -> dict | None:
 
 
 def run_tests(c: Check, env: dict, timeout: float, tiny: bool) -> dict:
-    """pytest -m cuda, in 4 processes where pytest-xdist is at hand (each test starts its own
+    """pytest -m cuda, in up to 8 processes where pytest-xdist is at hand (each test starts its own
     EPS and workers; several share the GPU)."""
     xml = c.work / "cuda-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rs", "-p", "no:cacheprovider",
            f"--junitxml={xml}", str(ROOT / "tests" / "test_cuda.py")]
-    if importable("xdist") and (os.cpu_count() or 1) >= 8 and not tiny:  # else one process
-        cmd[3:3] = ["-n", "4"]
+    cpus = os.cpu_count() or 1
+    if importable("xdist") and cpus >= 8 and not tiny:  # else one process
+        cmd[3:3] = ["-n", str(min(8, cpus // 2))]
     t = time.monotonic()
     code, timed_out, log = c.run("cuda-tests", cmd, dict(env, OMP_NUM_THREADS="1"), timeout)
     result = {"seconds": round(time.monotonic() - t, 1), "exit": code, "timed_out": timed_out,
