@@ -51,6 +51,9 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
                 raise
             except BaseException:  # interrupted: the SIGINT reached the launcher too
                 stop_launcher(p, signal_it=False)
+                console.seek(0)  # where it was: a job stopped by a time budget says nothing
+                print(f"l2l-launch interrupted; its output:\n{console.read()[-3000:]}"
+                      + log_tails(runs, 20), file=sys.stderr, flush=True)
                 raise
             if code != 0:
                 console.seek(0)

@@ -119,7 +119,13 @@ def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap:
     """An estimate of the largest L2L micro-batch under ``cap``: a one-block model's
     activation bytes per sample (forward + backward, in the compute dtype) times u + 1 (the
     last block keeps u micro-batches' graphs; one more is recomputed), plus two weight buffers
-    and two fp32 gradient slots of the largest layer, within 85% of the cap."""
+    and two fp32 gradient slots of the largest layer, within 85% of the cap.
+
+    Bytes per sample are the difference of the peaks at 4 and 8 samples, after a warm-up at
+    one: the first pass also allocates what is allocated once (cuBLAS's workspace). Measured
+    against it (1 and 2 samples), the bytes per sample came out far too small on an H200: the
+    job ran out of memory at the estimate and at three retries 30% smaller. At least four
+    boundary activations a sample, whatever is measured."""
     dev = torch.device(device)
     if dev.type != "cuda" or not cap:
         return 8
@@ -127,19 +133,20 @@ def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap:
     one = replace(mcfg, layers=1)
     net = build_model(one).assemble().train().to(dev, dtype)
     task = build_task(build_model(one))
-    used = []
-    for b in (1, 2):
+    used = {}
+    for b in (1, 4, 8):
         reset_peak(dev)
         before = torch.cuda.memory_allocated(dev)
         loss, _ = net(Sharder(task, b, 1).batches(0, range(1))[0].to(dev), rng=(0, 0, 0))
         loss.backward()
         net.zero_grad(set_to_none=True)
         del loss
-        used.append(torch.cuda.max_memory_allocated(dev) - before)
+        used[b] = torch.cuda.max_memory_allocated(dev) - before
     del net
     torch.cuda.empty_cache()
-    per_sample = max(used[1] - used[0], 1)
-    fixed = max(used[0] - per_sample, 0)
+    boundary = mcfg.seq_len * mcfg.hidden * dtype.itemsize
+    per_sample = max((used[8] - used[4]) / 4, 4 * boundary)
+    fixed = max(used[4] - 4 * per_sample, 0)
     largest = plan_layout(build_model(mcfg).manifest()).max_layer_numel
     buffers = largest * (2 * dtype.itemsize + 2 * 4)
     return max(1, int((0.85 * cap - buffers - fixed) // ((u + 1) * per_sample)))
@@ -148,15 +155,18 @@ def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap:
 def l2l_fit(run, mcfg: ModelConfig, precision: str, u: int, device: str, cap: int, *,
             warmup: int, tiny: bool) -> dict:
     """``run(micro_batch_size)`` -> a job's summary, at the estimated largest micro-batch; a
-    job that runs out of device memory is tried again 30% smaller (three times at most)."""
+    job that runs out of device memory is tried again at half the micro-batch (four times at
+    most)."""
     mbs = 4 if tiny else l2l_micro_batch(mcfg, precision, u, device, cap)
-    for attempt in range(4):
+    for attempt in range(5):
         try:
             s = run(mbs)
         except RuntimeError as e:
-            if "out of memory" not in str(e).lower() or mbs == 1 or attempt == 3:
+            if "out of memory" not in str(e).lower() or mbs == 1 or attempt == 4:
                 raise
-            mbs = max(1, int(mbs * 0.7))
+            print(f"micro-batch {mbs} x {u}: out of device memory; trying {max(1, mbs // 2)}",
+                  flush=True)
+            mbs = max(1, mbs // 2)
             continue
         seconds = steady_step_seconds(s, warmup)
         return {"batch": mbs, "step_seconds": seconds, "samples_per_sec": u * mbs / seconds,

@@ -112,6 +112,59 @@ def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
     peer_trains_the_resident_model("fsdp2")
 
 
+def test_an_l2l_job_out_of_device_memory_is_tried_again_at_half_the_micro_batch():
+    """The paper table's L2L fit: a job that runs out of device memory is run again with half
+    the micro-batch until one fits; any other failure is raised at once."""
+    from bench.gpu_parts import l2l_fit
+    from worker.config import ModelConfig
+
+    tried = []
+
+    def run(mbs: int) -> dict:
+        tried.append(mbs)
+        if mbs > 2:
+            raise RuntimeError("l2l-launch failed (1):\ntorch.OutOfMemoryError: CUDA out of "
+                               "memory. Tried to allocate 2.22 GiB.")
+        return {"workers": [{"step_seconds": [9.0, 0.5, 0.5], "peak_memory_bytes": 7}]}
+
+    r = l2l_fit(run, ModelConfig(), "fp32", 4, "cpu", 0, warmup=1, tiny=False)
+    assert tried == [8, 4, 2]  # 8: the estimate without a CUDA memory cap
+    assert r == {"batch": 2, "step_seconds": 0.5, "samples_per_sec": 16.0, "peak_bytes": 7}
+
+    def broken(mbs: int) -> dict:
+        raise RuntimeError("l2l-launch failed (1): worker 0 exited")
+
+    with pytest.raises(RuntimeError, match="worker 0 exited"):
+        l2l_fit(broken, ModelConfig(), "fp32", 4, "cpu", 0, warmup=1, tiny=False)
+
+
+def test_a_paper_configuration_that_fails_costs_its_row_only(monkeypatch):
+    """One L2L configuration failing leaves the others' rows and targets; the piece reports
+    which one failed (the check counts that as broken)."""
+    import argparse
+
+    from bench import gpu
+
+    def resident(mcfg, precision, *args, **kw) -> dict:
+        return {"batch": 8, "step_seconds": 0.8, "samples_per_sec": 10.0, "peak_bytes": 1}
+
+    def fit(run, mcfg, precision, u, *args, **kw) -> dict:
+        if precision == "fp32" and u == 4:
+            raise RuntimeError("l2l-launch failed (1): CUDA out of memory")
+        return {"batch": 4, "step_seconds": 0.1, "samples_per_sec": 20.0 * u, "peak_bytes": 1}
+
+    monkeypatch.setattr(gpu, "resident_fit", resident)
+    monkeypatch.setattr(gpu, "l2l_fit", fit)
+    p = argparse.ArgumentParser()
+    gpu.add_args(p)
+    r = gpu.bench_paper(p.parse_args(["--tiny", "--device", "cpu", "--u", "1,4"]))
+    assert r["error"] == "failed: T=32 fp32_u4"
+    assert [(t["name"], t["value"]) for t in r["targets"]] == [
+        ("T=32: CMP / resident fp32 samples/s", 8.0), ("T=32: bf16 u=4 / u=1 samples/s", 4.0)]
+    assert set(r["by_seq"][32]["l2l"]) == {"fp32_u1", "bf16_u1", "bf16_u4"}
+    assert "FAILED" in r["table"] and "CMP bf16" in r["table"]
+
+
 @pytest.mark.slow
 def test_deepspeed_zero3_offload_trains_the_resident_model_on_cpu(monkeypatch):
     """DeepSpeed's runner on its CPU accelerator: the ZeRO-3 configuration, engine calls and
