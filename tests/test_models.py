@@ -120,6 +120,21 @@ def test_markov_task_follows_the_chain():
     assert 0 < task.entropy < torch.log(torch.tensor(4.0))
 
 
+def test_markov_task_entropy_rate_and_successors():
+    """Each token's successors are distinct; the entropy rate from the sparse transitions is
+    the one of the dense v x v chain (the sparse form lets a 32k vocabulary start at once)."""
+    task = MarkovTask(cfg("gpt", vocab=64))
+    assert all(len(set(row)) == 4 for row in task.succ.tolist())
+    trans = torch.zeros(64, 64, dtype=torch.float64)
+    trans.scatter_add_(1, task.succ, task.probs.double())
+    pi = torch.full((64,), 1 / 64, dtype=torch.float64)
+    for _ in range(500):
+        pi = pi @ trans
+    assert torch.allclose(pi @ trans, pi, atol=1e-12)  # stationary
+    rows = -(task.probs.double() * task.probs.double().log()).sum(-1)
+    assert task.entropy == pytest.approx(float(pi @ rows), rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- the contract
 
 
