@@ -29,7 +29,7 @@ import torch
 
 from worker.config import ModelConfig
 
-from .common import LiveRows, check, l2l_job, steady_step_seconds, table
+from .common import LiveRows, check, l2l_job, median, steady_step_seconds, table
 from .gpu_parts import (
     MEM,
     SHM,
@@ -158,12 +158,19 @@ def bench_overhead(a) -> dict:
     mcfg = ModelConfig(**{k: v for k, v in m.items()}, seq_len=seq, dropout=0.1)
     local = local_l2l_step_seconds(mcfg, micro_batches=u, batch_size=mbs, steps=a.steps,
                                    warmup=a.warmup, device=a.device)
-    l2lp = steady_step_seconds(job(a, m, seq=seq, mbs=mbs, u=u), a.warmup)
-    rows = [["same loop, every weight on the device, AdamW there", local, 0.0],
-            ["L2Lp: EPS on the host, prefetch + async pushes", l2lp, l2lp / local - 1]]
+    s = job(a, m, seq=seq, mbs=mbs, u=u)
+    l2lp = steady_step_seconds(s, a.warmup)
+    # where it goes: the worker's waits for weights (at a step's start, the EPS's last
+    # updates) and for pushes' acknowledgements, medians of the measured steps
+    waits = {k: median([w or 0.0 for w in s[k][a.warmup:]] or [0.0])
+             for k in ("fetch_wait", "push_wait")}
+    rows = [["same loop, every weight on the device, AdamW there", local, 0.0, "-", "-"],
+            ["L2Lp: EPS on the host, prefetch + async pushes", l2lp, l2lp / local - 1,
+             waits["fetch_wait"], waits["push_wait"]]]
     return {"table": table(f"overhead: BERT L={m['layers']} H={m['hidden']} T={seq} u={u} "
-                           f"B={mbs}, fp32", ["config", "s/step", "exposed overhead"], rows),
-            "step_seconds": {"local": local, "l2lp": l2lp},
+                           f"B={mbs}, fp32", ["config", "s/step", "exposed overhead",
+                                              "wait weights s", "wait acks s"], rows),
+            "step_seconds": {"local": local, "l2lp": l2lp}, "waits": waits,
             "targets": [check("L2Lp exposed overhead vs weights on device", l2lp / local - 1,
                               "<=", 0.10)]}
 

@@ -81,6 +81,9 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
         "losses": losses, "accuracy": accuracy,
         "throughput": [p["samples"] / p["seconds"] if p["seconds"] > 0 else 0.0
                        for p in progress],  # samples/s of each step (its slowest worker)
+        # of each step's slowest worker: seconds it waited for weights, and for pushes' acks
+        "fetch_wait": [p.get("fetch_wait") for p in progress],
+        "push_wait": [p.get("push_wait") for p in progress],
         "samples_per_sec": samples / seconds if seconds > 0 else 0.0,
         "elapsed_seconds": elapsed,
         "workers": [{"rank": w["rank"], "device": w["device"],

@@ -83,6 +83,10 @@ def test_gpt_learns_the_markov_language(tmp_path):
     assert s["losses"][0] > math.log(64) - 0.2
     assert sum(s["losses"][-10:]) / 10 < 1.5
     assert entropy < 1.0
+    # each step's waits (for weights, for pushes' acks) of its slowest worker
+    assert len(s["fetch_wait"]) == len(s["push_wait"]) == 80
+    assert min(s["fetch_wait"] + s["push_wait"]) >= 0
+    assert sum(s["fetch_wait"] + s["push_wait"]) < s["elapsed_seconds"]
     assert_nothing_left(endpoint, s["run_id"])
 
 
