@@ -257,6 +257,7 @@ def run_tests(c: Check, env: dict, timeout: float, tiny: bool) -> dict:
     EPS and workers; several share the GPU)."""
     xml = c.work / "cuda-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rs", "-p", "no:cacheprovider",
+           "-p", "no:benchmark",  # GPU images may have pytest-benchmark: a warning per process
            f"--junitxml={xml}", str(ROOT / "tests" / "test_cuda.py")]
     cpus = os.cpu_count() or 1
     if importable("xdist") and cpus >= 8 and not tiny:  # else one process
