@@ -156,6 +156,23 @@ def test_ctrl_c_stops_everything(tmp_path, reap):
     assert_nothing_left(endpoint, run_id)
 
 
+def test_a_worker_that_has_finished_ignores_sigterm(tmp_path):
+    """A launcher stops every child when one fails, also workers already on their way out: a
+    SIGTERM after the worker's run returned must not unwind again (inside the interpreter's
+    exit handlers it printed a traceback and cut finalizers short)."""
+    code = ("import os, signal, sys\n"
+            "from worker.__main__ import main\n"
+            f"code = main(['--endpoint', 'ipc://{tmp_path}/none.sock', '--eps-timeout', '1',"
+            " '--model', 'bert'])\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('exiting with', code)\n"
+            "sys.exit(code)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "exiting with 1" in p.stdout, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr and "no reply from the EPS" in p.stderr, p.stderr
+
+
 def test_a_killed_launcher_takes_its_children_along(tmp_path, reap):
     """Children die with their parent (PR_SET_PDEATHSIG): the EPS gets SIGTERM and unlinks
     its shared memory even though the launcher had no chance to clean up."""

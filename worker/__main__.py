@@ -45,6 +45,11 @@ def run(args: WorkerArgs) -> int:
         log = logging.getLogger("l2l_worker")
         log.error("%s", e, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
+    finally:
+        # Done: nothing is left to unwind, and a SIGTERM now (a launcher stopping the job as
+        # this worker exits) would raise inside the interpreter's exit handlers: a traceback
+        # and finalizers cut short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 
