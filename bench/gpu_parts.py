@@ -154,24 +154,42 @@ def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap:
 
 def l2l_fit(run, mcfg: ModelConfig, precision: str, u: int, device: str, cap: int, *,
             warmup: int, tiny: bool) -> dict:
-    """``run(micro_batch_size)`` -> a job's summary, at the estimated largest micro-batch; a
+    """``run(micro_batch_size)`` -> a job's summary, at the estimated largest micro-batch. A
     job that runs out of device memory is tried again at half the micro-batch (four times at
-    most)."""
+    most); after such a fall, the midpoint back up is tried once (as the resident baseline's
+    search refines its batch)."""
     mbs = 4 if tiny else l2l_micro_batch(mcfg, precision, u, device, cap)
+    too_big = 0
     for attempt in range(5):
         try:
             s = run(mbs)
         except RuntimeError as e:
-            if "out of memory" not in str(e).lower() or mbs == 1 or attempt == 4:
+            if not out_of_memory(e) or mbs == 1 or attempt == 4:
                 raise
             print(f"micro-batch {mbs} x {u}: out of device memory; trying {max(1, mbs // 2)}",
                   flush=True)
-            mbs = max(1, mbs // 2)
+            too_big, mbs = mbs, max(1, mbs // 2)
             continue
-        seconds = steady_step_seconds(s, warmup)
-        return {"batch": mbs, "step_seconds": seconds, "samples_per_sec": u * mbs / seconds,
-                "peak_bytes": peak_bytes(s)}
+        best = fit_result(s, mbs, u, warmup)
+        if too_big - mbs > 1:
+            mid = (mbs + too_big) // 2
+            try:
+                best = fit_result(run(mid), mid, u, warmup)
+            except RuntimeError as e:
+                if not out_of_memory(e):
+                    raise
+        return best
     raise AssertionError("unreachable")
+
+
+def out_of_memory(e: Exception) -> bool:
+    return "out of memory" in str(e).lower()
+
+
+def fit_result(summary: dict, mbs: int, u: int, warmup: int) -> dict:
+    seconds = steady_step_seconds(summary, warmup)
+    return {"batch": mbs, "step_seconds": seconds, "samples_per_sec": u * mbs / seconds,
+            "peak_bytes": peak_bytes(summary)}
 
 
 def peak_bytes(summary: dict) -> int:

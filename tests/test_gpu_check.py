@@ -51,6 +51,26 @@ def test_gpu_check_refuses_a_folder_without_wheels(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_gpu_check_runs_only_the_parts_asked_for(tmp_path, capsys):
+    """--only picks parts by name (spaces allowed); an unknown name, or nothing left to run,
+    is refused before anything runs."""
+    from bench.gpucheck import main
+
+    for argv, why in ((["--only", "tests,bogus"], "unknown part(s) bogus"),
+                      (["--skip-tests", "--only", "tests"], "nothing to run")):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(tmp_path / "refused"), *argv])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, "-m", "bench.gpucheck", "--tiny", "--out", str(out),
+                        "--only", " transfer , "], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert list(report["benchmarks"]) == ["transfer"]
+    assert report["tests"] == {"not_run": "not asked for (--skip-tests or --only)"}
+
+
 def test_trace_split_counts_nested_spans_once(tmp_path):
     """A forward visit of 10 ms holding a 4 ms wait: 6 ms forward, 4 ms wait (per step)."""
     ev = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "l2l-worker 0"}},
@@ -114,22 +134,27 @@ def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
 
 def test_an_l2l_job_out_of_device_memory_is_tried_again_at_half_the_micro_batch():
     """The paper table's L2L fit: a job that runs out of device memory is run again with half
-    the micro-batch until one fits; any other failure is raised at once."""
+    the micro-batch until one fits, then once at the midpoint back up; any other failure is
+    raised at once."""
     from bench.gpu_parts import l2l_fit
     from worker.config import ModelConfig
 
-    tried = []
+    def fitting(largest: int, tried: list):
+        def run(mbs: int) -> dict:
+            tried.append(mbs)
+            if mbs > largest:
+                raise RuntimeError("l2l-launch failed (1):\ntorch.OutOfMemoryError: CUDA out "
+                                   "of memory. Tried to allocate 2.22 GiB.")
+            return {"workers": [{"step_seconds": [9.0, 0.5, 0.5], "peak_memory_bytes": mbs}]}
+        return run
 
-    def run(mbs: int) -> dict:
-        tried.append(mbs)
-        if mbs > 2:
-            raise RuntimeError("l2l-launch failed (1):\ntorch.OutOfMemoryError: CUDA out of "
-                               "memory. Tried to allocate 2.22 GiB.")
-        return {"workers": [{"step_seconds": [9.0, 0.5, 0.5], "peak_memory_bytes": 7}]}
-
-    r = l2l_fit(run, ModelConfig(), "fp32", 4, "cpu", 0, warmup=1, tiny=False)
-    assert tried == [8, 4, 2]  # 8: the estimate without a CUDA memory cap
-    assert r == {"batch": 2, "step_seconds": 0.5, "samples_per_sec": 16.0, "peak_bytes": 7}
+    for largest, want_tried, want in ((2, [8, 4, 2, 3], 2), (6, [8, 4, 6], 6), (9, [8], 8)):
+        tried: list = []  # 8: the estimate without a CUDA memory cap
+        r = l2l_fit(fitting(largest, tried), ModelConfig(), "fp32", 4, "cpu", 0, warmup=1,
+                    tiny=False)
+        assert tried == want_tried
+        assert r == {"batch": want, "step_seconds": 0.5, "samples_per_sec": 4 * want / 0.5,
+                     "peak_bytes": want}
 
     def broken(mbs: int) -> dict:
         raise RuntimeError("l2l-launch failed (1): worker 0 exited")
