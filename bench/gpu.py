@@ -161,7 +161,8 @@ def bench_overhead(a) -> dict:
     s = job(a, m, seq=seq, mbs=mbs, u=u)
     l2lp = steady_step_seconds(s, a.warmup)
     # where it goes: the worker's waits for weights (at a step's start, the EPS's last
-    # updates) and for pushes' acknowledgements, medians of the measured steps
+    # updates) and for gradient slots and pushes' acknowledgements, medians of the measured
+    # steps
     waits = {k: median([w or 0.0 for w in s[k][a.warmup:]] or [0.0])
              for k in ("fetch_wait", "push_wait")}
     rows = [["same loop, every weight on the device, AdamW there", local, 0.0, "-", "-"],
@@ -169,7 +170,7 @@ def bench_overhead(a) -> dict:
              waits["fetch_wait"], waits["push_wait"]]]
     return {"table": table(f"overhead: BERT L={m['layers']} H={m['hidden']} T={seq} u={u} "
                            f"B={mbs}, fp32", ["config", "s/step", "exposed overhead",
-                                              "wait weights s", "wait acks s"], rows),
+                                              "wait weights s", "wait slots+acks s"], rows),
             "step_seconds": {"local": local, "l2lp": l2lp}, "waits": waits,
             "targets": [check("L2Lp exposed overhead vs weights on device", l2lp / local - 1,
                               "<=", 0.10)]}

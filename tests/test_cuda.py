@@ -242,7 +242,9 @@ def test_a_device_memory_cap_is_enforced(cluster, tmp_path):
 def test_mixed_precision_on_cuda_learns_and_tracks_fp32(tmp_path):
     """bf16 and fp16 compute on the GPU (fp32 master and AdamW in the EPS) learn the planted
     task: all three end above 90% accuracy (chance: 25%) after 80 steps. They track fp32 step
-    for step at first: the mean |loss difference| over the first 10 steps stays below 0.02.
+    for step at first: the mean |loss difference| over the first 10 steps stays below 0.02 for
+    bf16 and 0.05 for fp16 (whose first steps may overflow and be skipped while the loss scale
+    falls; not yet seen on a GPU: its run came after bf16's failure).
     Not over the whole run, as on the CPU (tests/test_precision.py): with dropout on, CUDA's
     attention takes another fused kernel for half types than for fp32 (flash vs memory-
     efficient), with its own dropout masks, so the runs soon differ like runs of different
@@ -254,10 +256,10 @@ def test_mixed_precision_on_cuda_learns_and_tracks_fp32(tmp_path):
               "--micro-batch-size", "8", "--lr", "3e-3", *DEVICE]
     fp32 = launch(tmp_path, "fp32", *common)
     assert sum(fp32["accuracy"][-5:]) / 5 > 0.9, fp32["accuracy"]
-    for precision in ("bf16", "fp16"):
+    for precision, bound in (("bf16", 0.02), ("fp16", 0.05)):
         run = launch(tmp_path, precision, *common, "--precision", precision)
         diff = [abs(a - b) for a, b in zip(fp32["losses"], run["losses"])]
-        assert sum(diff[:10]) / 10 < 0.02, (precision, diff)
+        assert sum(diff[:10]) / 10 < bound, (precision, diff)
         assert sum(run["accuracy"][-5:]) / 5 > 0.9, (precision, run["accuracy"])
 
 

@@ -93,8 +93,10 @@ class MarkovTask:
 
 
 def distinct_successors(v: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """(v, k): for each of v tokens, k distinct tokens drawn uniformly from [0, v), by Floyd's
-    algorithm for all rows at once: O(v k^2), not the O(v^2) of a permutation per row."""
+    """(v, k): for each of v tokens, a uniformly drawn set of k distinct tokens of [0, v), by
+    Floyd's algorithm for all rows at once: O(v k^2), not the O(v^2) of a permutation per row.
+    The order within a row is not uniform (column i holds at most v - k + i), which does not
+    matter to the chain: each column's probability is drawn alike."""
     chosen = torch.empty(v, k, dtype=torch.long)
     for i in range(k):
         top = v - k + i  # Floyd: draw from [0, top]; if taken, take top itself (never taken)
