@@ -51,14 +51,12 @@ def l2l_job(model_args: list[str], *, workers: int = 1, steps: int, extra=(), se
                 raise
             except BaseException:  # interrupted: the SIGINT reached the launcher too
                 stop_launcher(p, signal_it=False)
-                console.seek(0)  # where it was: a job stopped by a time budget says nothing
-                print(f"l2l-launch interrupted; its output:\n{console.read()[-3000:]}"
-                      + log_tails(runs, 20), file=sys.stderr, flush=True)
+                # where it was: a job stopped by a time budget says nothing else
+                print(f"l2l-launch interrupted; its output:\n{job_output(console, runs, 20)}",
+                      file=sys.stderr, flush=True)
                 raise
             if code != 0:
-                console.seek(0)
-                raise RuntimeError(f"l2l-launch failed ({code}):\n{console.read()[-3000:]}"
-                                   + log_tails(runs))
+                raise RuntimeError(f"l2l-launch failed ({code}):\n{job_output(console, runs)}")
         with open(summary) as f:
             return json.load(f)
 
@@ -82,6 +80,12 @@ def stop_launcher(p: subprocess.Popen, signal_it: bool, grace: float = 20.0) -> 
             interrupted = True
     if interrupted and signal_it:
         raise KeyboardInterrupt
+
+
+def job_output(console, runs: str, lines: int = 40) -> str:
+    """The end of a job's console and of each of its processes' logs."""
+    console.seek(0)
+    return console.read()[-3000:] + log_tails(runs, lines)
 
 
 def log_tails(folder: str, lines: int = 40) -> str:

@@ -166,9 +166,9 @@ def l2l_fit(run, mcfg: ModelConfig, precision: str, u: int, device: str, cap: in
         except RuntimeError as e:
             if not out_of_memory(e) or mbs == 1 or attempt == 4:
                 raise
-            print(f"micro-batch {mbs} x {u}: out of device memory; trying {max(1, mbs // 2)}",
-                  flush=True)
             too_big, mbs = mbs, max(1, mbs // 2)
+            print(f"micro-batch {too_big} x {u}: out of device memory; trying {mbs}",
+                  flush=True)
             continue
         best = fit_result(s, mbs, u, warmup)
         if too_big - mbs > 1:
