@@ -160,11 +160,7 @@ def bench_overhead(a) -> dict:
                                    warmup=a.warmup, device=a.device)
     s = job(a, m, seq=seq, mbs=mbs, u=u)
     l2lp = steady_step_seconds(s, a.warmup)
-    # where it goes: the worker's waits for weights (at a step's start, the EPS's last
-    # updates) and for gradient slots and pushes' acknowledgements, medians of the measured
-    # steps
-    waits = {k: median([w or 0.0 for w in s[k][a.warmup:]] or [0.0])
-             for k in ("fetch_wait", "push_wait")}
+    waits = step_waits(s, a.warmup)
     rows = [["same loop, every weight on the device, AdamW there", local, 0.0, "-", "-"],
             ["L2Lp: EPS on the host, prefetch + async pushes", l2lp, l2lp / local - 1,
              waits["fetch_wait"], waits["push_wait"]]]
@@ -174,6 +170,14 @@ def bench_overhead(a) -> dict:
             "step_seconds": {"local": local, "l2lp": l2lp}, "waits": waits,
             "targets": [check("L2Lp exposed overhead vs weights on device", l2lp / local - 1,
                               "<=", 0.10)]}
+
+
+def step_waits(summary: dict, warmup: int) -> dict[str, float]:
+    """Where a step's time goes: the worker's waits for weights (at a step's start, the EPS's
+    last updates) and for gradient slots and pushes' acknowledgements (on CUDA also the device
+    catching up with the kernels queued ahead), medians of the measured steps."""
+    return {k: median([w or 0.0 for w in summary[k][warmup:]] or [0.0])
+            for k in ("fetch_wait", "push_wait")}
 
 
 def bench_paper(a) -> dict:
@@ -273,13 +277,16 @@ def bench_mfu(a) -> dict:
     peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
     mfu = flops / (peak * 1e12) if peak else float("nan")
     rows = [[k, v, v / max(sum(split.values()), 1e-9)] for k, v in split.items()]
+    waits = step_waits(s, a.warmup)
+    rows += [["(of wait) weights", waits["fetch_wait"], "-"],
+             ["(of wait) slots+acks", waits["push_wait"], "-"]]
     return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
                            f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
                            f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "
                            f"{peak:g}; worker main thread by category (host seconds/step)",
                            ["category", "s/step", "share"], rows),
             "params": params, "step_seconds": step, "tflops": flops / 1e12, "mfu": mfu,
-            "time_split": split, "targets": []}
+            "time_split": split, "waits": waits, "targets": []}
 
 
 def bench_peers(a) -> dict:

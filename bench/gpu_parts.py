@@ -116,40 +116,80 @@ def resident_fit(mcfg: ModelConfig, precision: str, device: str, cap: int, *, st
 
 
 def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap: int) -> int:
-    """An estimate of the largest L2L micro-batch under ``cap``: a one-block model's
-    activation bytes per sample (forward + backward, in the compute dtype) times u + 1 (the
+    """An estimate of the largest L2L micro-batch under ``cap``: the hungriest layer's bytes
+    per sample (forward + backward, in the compute dtype; ``layer_bytes``) times u + 1 (the
     last block keeps u micro-batches' graphs; one more is recomputed), plus two weight buffers
-    and two fp32 gradient slots of the largest layer, within 85% of the cap.
-
-    Bytes per sample are the difference of the peaks at 4 and 8 samples, after a warm-up at
-    one: the first pass also allocates what is allocated once (cuBLAS's workspace). Measured
-    against it (1 and 2 samples), the bytes per sample came out far too small on an H200: the
-    job ran out of memory at the estimate and at three retries 30% smaller. At least four
+    and two fp32 gradient slots of the largest layer, within 85% of the cap. At least four
     boundary activations a sample, whatever is measured."""
     dev = torch.device(device)
     if dev.type != "cuda" or not cap:
         return 8
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    one = replace(mcfg, layers=1)
-    net = build_model(one).assemble().train().to(dev, dtype)
-    task = build_task(build_model(one))
-    used = {}
-    for b in (1, 4, 8):
-        reset_peak(dev)
-        before = torch.cuda.memory_allocated(dev)
-        loss, _ = net(Sharder(task, b, 1).batches(0, range(1))[0].to(dev), rng=(0, 0, 0))
-        loss.backward()
-        net.zero_grad(set_to_none=True)
-        del loss
-        used[b] = torch.cuda.max_memory_allocated(dev) - before
-    del net
-    torch.cuda.empty_cache()
-    boundary = mcfg.seq_len * mcfg.hidden * dtype.itemsize
-    per_sample = max((used[8] - used[4]) / 4, 4 * boundary)
-    fixed = max(used[4] - 4 * per_sample, 0)
+    per_sample, fixed = layer_bytes(mcfg, precision, device)
+    boundary = mcfg.seq_len * mcfg.hidden * compute_dtype(precision).itemsize
+    per_sample = max(per_sample, 4 * boundary)
     largest = plan_layout(build_model(mcfg).manifest()).max_layer_numel
-    buffers = largest * (2 * dtype.itemsize + 2 * 4)
+    buffers = largest * (2 * compute_dtype(precision).itemsize + 2 * 4)
     return max(1, int((0.85 * cap - buffers - fixed) // ((u + 1) * per_sample)))
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def layer_bytes(mcfg: ModelConfig, precision: str, device: str,
+                sizes: tuple[int, int] = (8, 32)) -> tuple[float, float]:
+    """(bytes per sample, bytes at no samples) of the hungriest layer kind (the embedding, a
+    block, the head), each run forward and backward alone as the executor runs a layer: the
+    slope between two micro-batch sizes of the bytes autograd saves for backward and, on CUDA,
+    of the peak allocated; the larger of the two.
+
+    Each layer alone, not a whole one-block model: there the embedding's and the head's weight
+    gradients, allocated late in backward when the activations are freed, set the peak at a
+    few samples, and the slope came out near nothing (on an H200, 3,320 samples estimated for
+    BERT-Large fp32 where 830 fit and 1,660 did not). A first pass at the smaller size
+    allocates what is allocated once (cuBLAS's workspace)."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    layered = build_model(replace(mcfg, layers=1))
+    task = build_task(layered)
+    stages = [s.train().to(dev, compute_dtype(precision))
+              for s in layered.assemble().stages()]
+    worst = (0.0, 0.0)
+    for index, stage in enumerate(stages):
+        used: dict[int, list[int]] = {}
+        for b in (sizes[0], *sizes):
+            batch = Sharder(task, b, 1).batches(0, range(1))[0].to(dev)
+            x = None
+            with torch.no_grad():
+                for before in stages[:index]:
+                    x = before(x, batch)
+            if x is not None:
+                x.requires_grad_(True)
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                st = t.untyped_storage()
+                saved[st.data_ptr()] = st.nbytes()
+                return t
+
+            reset_peak(dev)
+            start = torch.cuda.memory_allocated(dev) if cuda else 0
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = stage(x, batch)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.ones_like(out))
+            peak = torch.cuda.max_memory_allocated(dev) - start if cuda else 0
+            used[b] = [sum(saved.values()), peak]
+            stage.zero_grad(set_to_none=True)
+            del out, x, batch
+        lo, hi = used[sizes[0]], used[sizes[1]]
+        slope = max((h - low) / (sizes[1] - sizes[0]) for low, h in zip(lo, hi))
+        fixed = max(max(lo) - sizes[0] * slope, 0.0)
+        worst = max(worst, (slope, fixed))
+    del stages
+    if cuda:
+        torch.cuda.empty_cache()
+    return worst
 
 
 def l2l_fit(run, mcfg: ModelConfig, precision: str, u: int, device: str, cap: int, *,

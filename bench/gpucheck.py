@@ -39,7 +39,8 @@ NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "yaml", "t
 # with --full)). DeepSpeed comes last: its CPU Adam is compiled at first use.
 PIECES = [("transfer", "transfer", [], [], 20, 60),
           ("overhead", "overhead", [], [], 60, 120),
-          ("paper", "paper", ["--seq", "128", "--u", "1,4"], [], 120, 240),
+          ("paper", "paper", ["--seq", "128", "--u", "1,4", "--steps", "2", "--warmup", "1"],
+           [], 120, 240),
           ("depth", "depth", ["--depths", "24,48,96"], [], 60, 120),
           ("fsdp2", "peers", ["--peers", "fsdp2"], ["--peers", "fsdp2"], 60, 120),
           ("mfu", "mfu", ["--mfu-params", "2"], [], 90, 180),

@@ -163,6 +163,25 @@ def test_an_l2l_job_out_of_device_memory_is_tried_again_at_half_the_micro_batch(
         l2l_fit(broken, ModelConfig(), "fp32", 4, "cpu", 0, warmup=1, tiny=False)
 
 
+def test_the_l2l_micro_batch_estimate_measures_the_hungriest_layer_alone():
+    """Bytes per sample come from one layer at a time (what a visit holds): a block's saved
+    activations, at least its qkv and FFN outputs, whatever the vocabulary (the embedding's
+    gradient, set by the vocabulary, is allocated once and must not dilute the slope), and
+    half types take less."""
+    from bench.gpu_parts import layer_bytes
+    from worker.config import ModelConfig
+
+    def per_sample(vocab: int, precision: str = "fp32") -> float:
+        m = ModelConfig(model="bert", layers=3, hidden=64, heads=4, ffn=256, vocab=vocab,
+                        classes=2, seq_len=32, dropout=0.1)
+        return layer_bytes(m, precision, "cpu", sizes=(2, 6))[0]
+
+    small, large = per_sample(128), per_sample(4096)
+    assert small == large
+    assert small >= 32 * (3 * 64 + 256) * 4
+    assert per_sample(128, "bf16") < 0.8 * small
+
+
 def test_a_paper_configuration_that_fails_costs_its_row_only(monkeypatch):
     """One L2L configuration failing leaves the others' rows and targets; the piece reports
     which one failed (the check counts that as broken)."""
