@@ -24,7 +24,6 @@ from protocol.trace import merge
 from .config import LaunchArgs
 from .console import Console, table
 from .launcher import Launcher, private_run_dir
-from .plan import plan_text
 from .roles import run_role, server_config, worker_args
 
 
@@ -105,6 +104,8 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse(LaunchArgs, argv, "l2l-launch", __doc__.split("\n")[0])
     if args.launch.plan:
+        from .plan import plan_text  # builds the model's manifest: loads torch
+
         print(plan_text(args), flush=True)
         return 0
     if args.launch.role != "all":

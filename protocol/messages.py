@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .lifecycle import IDENTITY
-from .tensors import DTYPES, Manifest
+from .tensors import ITEMSIZES, Manifest
 
 PROTOCOL_VERSION = 5  # what each version added: SPEC.md, "Versions"
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
@@ -36,7 +36,7 @@ ERROR_CODES = (
 )
 MAX_RANKS = 4096
 # What a region holds: tensors of a layer dtype, int64 versions, or raw bytes (stash arena).
-REGION_DTYPES = (*sorted(DTYPES), "int64", "uint8")
+REGION_DTYPES = (*sorted(ITEMSIZES), "int64", "uint8")
 MAX_STR = 4096
 
 REGISTRY: dict[int, type[Message]] = {}
@@ -135,8 +135,8 @@ class Hello(Message):
         _require(self.rank == ANY_RANK or 0 <= self.rank < self.world_size, "rank",
                  f"must be in [0, world_size) or {ANY_RANK} (any free rank)")
         _require(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
-        _require(self.grad_dtype in (*DTYPES, "compute"), "grad_dtype",
-                 f"must be one of {sorted(DTYPES)} or 'compute'")
+        _require(self.grad_dtype in (*ITEMSIZES, "compute"), "grad_dtype",
+                 f"must be one of {sorted(ITEMSIZES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
         _require(len(self.host) <= 255, "host", "too long")
         _require(not self.process or IDENTITY.fullmatch(self.process) is not None, "process",
@@ -256,7 +256,7 @@ class PushGrad(Message):
         _require(0 <= self.rank < MAX_RANKS, "rank", "out of range")
         _require(self.slot >= -1, "slot", "must be >= -1")
         _require(not self.skip or self.slot == -1, "slot", "must be -1 with skip")
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
+        _require(self.dtype in ITEMSIZES, "dtype", f"must be one of {sorted(ITEMSIZES)}")
 
 
 @message(9)

@@ -14,8 +14,10 @@ import os
 import re
 import stat
 import warnings
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads when a region is first viewed as a tensor: l2l-ctl and the
+    import torch  # launcher only list and remove regions
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 SHM_DIR = "/dev/shm"  # Linux; used only to list regions by prefix for cleanup
@@ -110,6 +112,8 @@ class Region:
     def base(self) -> torch.Tensor:
         """The whole region as a uint8 tensor (shares memory)."""
         if self._base is None:
+            import torch
+
             with warnings.catch_warnings():
                 # frombuffer warns on read-only buffers; read-only mappings are never written.
                 warnings.simplefilter("ignore", UserWarning)

@@ -22,18 +22,30 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgpack
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # 128 elements = 256 bytes at 2-byte dtypes, 512 at fp32: kernel-friendly views in every dtype.
 ALIGN_ELEMS = 128
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# The floating dtypes a layout holds, by name, with their bytes per element. torch's dtypes
+# (DTYPES) load with torch, on first use: the launcher and l2l-ctl need only the names, and
+# importing torch costs seconds of CPU per process.
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":
+        import torch
+
+        globals()["DTYPES"] = dtypes = {n: getattr(torch, n) for n in ITEMSIZES}
+        return dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Optimizer groups, in layout order. "no_decay" is for biases, norms and embeddings' norms.
 GROUPS = ("decay", "no_decay")
@@ -46,14 +58,17 @@ MAX_NUMEL = 1 << 40
 
 
 def dtype_of(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+    import torch
+
+    itemsize(name)  # a clear error for a name that is not a layout dtype
+    return getattr(torch, name)
 
 
 def itemsize(name: str) -> int:
-    return dtype_of(name).itemsize
+    try:
+        return ITEMSIZES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(ITEMSIZES)}") from None
 
 
 def _align(n: int) -> int:

@@ -182,3 +182,16 @@ def test_a_killed_launcher_takes_its_children_along(tmp_path, reap):
     p.kill()
     p.wait()
     assert_nothing_left(endpoint, run_id)
+
+
+def test_the_launcher_and_ctl_start_without_torch():
+    """l2l-launch and l2l-ctl only start and talk to processes: they must not load torch
+    (seconds of CPU per call, on every job start and every status query). Its dtypes and
+    shared-memory views load it when first used."""
+    code = ("import sys, launch.__main__, launch.ctl; print('torch' in sys.modules); "
+            "from protocol.tensors import DTYPES, dtype_of; "
+            "print(DTYPES['bfloat16'] is dtype_of('bfloat16'), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True", "True"]
