@@ -26,6 +26,31 @@ def test_manifest_matches_assembled_state_dict(model):
     assert names == {k: tuple(v.shape) for k, v in sd.items()}
 
 
+def test_manifests_and_templates_skip_initialisers_on_meta():
+    """Building a manifest or a template runs no initialiser on the meta device (some go
+    through Python references whose first use imports torch._dynamo: seconds a process), and
+    initialisers on real tensors still run, also inside the mode."""
+    import subprocess
+    import sys
+
+    from worker.models.base import SkipInitOnMeta
+
+    code = ("import sys; from worker.config import ModelConfig; "
+            "from worker.models import build_model\n"
+            "for name in ('bert', 'gpt'):\n"
+            "    m = build_model(ModelConfig(model=name, layers=2, hidden=32, heads=2, "
+            "seq_len=16, vocab=64))\n"
+            "    m.manifest(); [m.template(k) for _, k in m.layer_kinds()]\n"
+            "print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr
+    with SkipInitOnMeta():
+        real = torch.nn.init.normal_(torch.zeros(1000), std=1.0)
+        real.mul_(2)
+    assert real.std() > 1.5
+
+
 @pytest.mark.parametrize("model", ["bert", "gpt"])
 def test_layer_by_layer_equals_assembled(model):
     """Binding weightless templates to flat weights, layer by layer, with the executor's

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from protocol.tensors import LayerPlan, LayerSpec, Manifest, TensorSpec, plan_layout
 
@@ -107,6 +108,27 @@ def optimizer_groups(named_parameters, weight_decay: float) -> list[dict]:
             {"params": groups["no_decay"], "weight_decay": 0.0}]
 
 
+# In-place writes of values an initialiser makes (besides all of torch.nn.init).
+_VALUE_WRITES = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "erfinv_", "mul_",
+                           "add_", "sub_", "div_", "clamp_", "exponential_", "random_",
+                           "bernoulli_", "log_normal_", "cauchy_", "geometric_"})
+
+
+class SkipInitOnMeta(TorchFunctionMode):
+    """Skips initialisers on meta tensors: they compute nothing there, but torch runs some
+    (``normal_``, ``uniform_``) through Python references whose first use imports
+    torch._dynamo, 2-3 s of CPU in every process that builds a manifest or a template."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes keywords
+        if (isinstance(target, torch.Tensor) and target.is_meta
+                and (getattr(func, "__module__", None) == "torch.nn.init"
+                     or getattr(func, "__name__", None) in _VALUE_WRITES)):
+            return target
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Build modules whose parameters are moved to the meta device as they are registered
@@ -121,7 +143,8 @@ def params_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = to_meta
     try:
-        yield
+        with SkipInitOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = register
 
@@ -198,7 +221,7 @@ class LayeredModel:
     def manifest(self) -> Manifest:
         layers, ties = [], self.ties()
         for name, kind in self.layer_kinds():
-            with torch.device("meta"):
+            with torch.device("meta"), SkipInitOnMeta():
                 module = self.make_stage(kind)
             layers.append(LayerSpec(name=name, kind=kind, tensors=tuple(
                 TensorSpec(name=n, shape=tuple(p.shape), group=param_group(n, p),
