@@ -1,8 +1,8 @@
 """l2l-launch: one eps-server and N l2l-workers on this box, as separate processes.
 
 Like torchrun, a convenience over the two real CLIs: it picks a private ipc endpoint and a run
-id, starts the server, waits for it to be ready, starts the workers (with --device cuda,
-worker r on cuda:(r mod GPUs)), shows the job's progress (launch/console.py), and writes a
+id, starts the server and the workers (with --device cuda, worker r on cuda:(r mod GPUs);
+they wait for the server to answer), shows the job's progress (launch/console.py), and writes a
 run summary. On Ctrl-C, SIGTERM or any child's failure it stops every child (SIGTERM, then
 SIGKILL), and removes the run's shared memory and socket, so nothing is left behind.
 
@@ -207,9 +207,14 @@ class Launcher:
                           f"later; it redoes step {ev.step + 1} ({ev.pushed} of its layers were "
                           "pushed already)")
 
-    def _start_server(self, extra: list[str] = ()) -> bool:
+    def _start_server(self, extra: list[str] = (), with_workers: bool = False) -> bool:
+        """Start the EPS and wait until it is ready. ``with_workers``: start the workers at
+        once too (they wait for the EPS to answer their Hello), so that their start-up
+        (imports, model and data) overlaps the EPS's, seconds of CPU each."""
         self._ready.clear()
         self.server = self._spawn("eps", [*self.server_argv, *extra])
+        if with_workers:
+            self._start_workers(range(len(self.worker_argvs)), replacement=False)
         deadline = time.monotonic() + READY_TIMEOUT
         while not self._ready.wait(0.1):
             if self.server.proc.poll() is not None:
@@ -240,10 +245,9 @@ class Launcher:
                    default=0)
 
     def _run(self) -> int:
-        if not self._start_server():
+        if not self._start_server(with_workers=True):
             return 1
         self.console.start()
-        self._start_workers(range(len(self.worker_argvs)), replacement=False)
         server_gone: float | None = None
         while True:
             code = self.server.proc.poll()  # first: its workers fail when it is gone

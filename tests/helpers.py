@@ -48,12 +48,17 @@ class Cluster:
     def log(self, p: subprocess.Popen) -> str:
         return p.log_path.read_text()
 
-    def start_server(self, world_size: int = 1, *extra: str, timeout: float = 60):
+    def start_server(self, world_size: int = 1, *extra: str, timeout: float = 60,
+                     workers=None):
+        """Start the EPS and wait until it is ready; ``workers()``, if given, is called
+        between the two (workers wait for the EPS: their start-up overlaps its own)."""
         events = self.tmp / f"eps-{len(self.procs)}.events"
         self.server = self.spawn(
             [sys.executable, "-m", "eps_server", "--endpoint", self.endpoint, "--world-size",
              str(world_size), "--run-id", self.run_id, "--exit-when-done",
              "--events", str(events), *extra], "eps")
+        if workers:
+            workers()
         try:
             wait_for(str(events), Ready, self.server, timeout)
         except (RuntimeError, TimeoutError) as e:
@@ -73,8 +78,9 @@ class Cluster:
 
     def run_job(self, world_size: int, *worker_args: str, server_args=(), timeout=180):
         """Server + world_size workers; waits for all; asserts success."""
-        self.start_server(world_size, *server_args)
-        workers = [self.worker(r, world_size, *worker_args) for r in range(world_size)]
+        workers: list[subprocess.Popen] = []
+        self.start_server(world_size, *server_args, workers=lambda: workers.extend(
+            self.worker(r, world_size, *worker_args) for r in range(world_size)))
         for w in workers:
             code = self.wait(w, timeout)
             assert code == 0, f"worker failed ({code}):\n{self.log(w)}"
