@@ -16,7 +16,7 @@ import sys
 import uvloop
 
 from protocol import cli
-from protocol.lifecycle import die_with_parent
+from protocol.lifecycle import die_with_parent, skip_exit_collections
 
 from .config import ServerArgs, ServerConfig
 from .server import EpsServer
@@ -29,7 +29,10 @@ def parse(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv).server
     die_with_parent()
-    return run(cfg)
+    try:
+        return run(cfg)
+    finally:
+        skip_exit_collections()
 
 
 def run(cfg: ServerConfig) -> int:

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from protocol import cli
-from protocol.lifecycle import die_with_parent
+from protocol.lifecycle import die_with_parent, skip_exit_collections
 
 from .config import WorkerArgs
 from .eps_client import EpsDisconnected, EpsError
@@ -26,7 +26,10 @@ def parse(argv: list[str] | None = None) -> WorkerArgs:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     die_with_parent()
-    return run(args)
+    try:
+        return run(args)
+    finally:
+        skip_exit_collections()
 
 
 def run(args: WorkerArgs) -> int:
