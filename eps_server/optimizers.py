@@ -24,7 +24,6 @@ import torch
 
 from protocol.tensors import LayerPlan, views
 
-from . import lamb_kernels
 from .config import OptimizerConfig
 
 # Elements per fused call when a compute copy is written: p, g, m, v of a chunk (4 MiB) are
@@ -115,6 +114,8 @@ class Lamb(LayerOptimizer):
 
     def step(self, t: int, lr: float, grad_scale: float = 1.0,
              cfg: OptimizerConfig | None = None) -> None:
+        from . import lamb_kernels  # numba loads with the first LAMB step, not with every EPS
+
         if not lamb_kernels.available() or self.master.device.type != "cpu":
             return self._step_torch(t, lr, grad_scale, cfg or self.cfg)
         c, f = cfg or self.cfg, np.float32
