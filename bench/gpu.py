@@ -278,8 +278,8 @@ def bench_mfu(a) -> dict:
     mfu = flops / (peak * 1e12) if peak else float("nan")
     rows = [[k, v, v / max(sum(split.values()), 1e-9)] for k, v in split.items()]
     waits = step_waits(s, a.warmup)
-    rows += [["(of wait) weights", waits["fetch_wait"], "-"],
-             ["(of wait) slots+acks", waits["push_wait"], "-"]]
+    rows += [["summary: median wait for weights", waits["fetch_wait"], "-"],
+             ["summary: median wait for slots+acks", waits["push_wait"], "-"]]
     return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
                            f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
                            f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "

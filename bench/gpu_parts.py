@@ -116,20 +116,21 @@ def resident_fit(mcfg: ModelConfig, precision: str, device: str, cap: int, *, st
 
 
 def l2l_micro_batch(mcfg: ModelConfig, precision: str, u: int, device: str, cap: int) -> int:
-    """An estimate of the largest L2L micro-batch under ``cap``: the hungriest layer's bytes
+    """An estimate of the largest L2L micro-batch under ``cap``: for each layer kind, its bytes
     per sample (forward + backward, in the compute dtype; ``layer_bytes``) times u + 1 (the
-    last block keeps u micro-batches' graphs; one more is recomputed), plus two weight buffers
-    and two fp32 gradient slots of the largest layer, within 85% of the cap. At least four
-    boundary activations a sample, whatever is measured."""
+    last block keeps u micro-batches' graphs; one more is recomputed) plus its fixed bytes,
+    two weight buffers and two fp32 gradient slots of the largest layer, within 85% of the
+    cap; the smallest over the kinds. At least four boundary activations a sample, whatever
+    is measured."""
     dev = torch.device(device)
     if dev.type != "cuda" or not cap:
         return 8
-    per_sample, fixed = layer_bytes(mcfg, precision, device)
-    boundary = mcfg.seq_len * mcfg.hidden * compute_dtype(precision).itemsize
-    per_sample = max(per_sample, 4 * boundary)
+    itemsize = compute_dtype(precision).itemsize
+    boundary = mcfg.seq_len * mcfg.hidden * itemsize
     largest = plan_layout(build_model(mcfg).manifest()).max_layer_numel
-    buffers = largest * (2 * compute_dtype(precision).itemsize + 2 * 4)
-    return max(1, int((0.85 * cap - buffers - fixed) // ((u + 1) * per_sample)))
+    room = 0.85 * cap - largest * (2 * itemsize + 2 * 4)
+    return max(1, min(int((room - fixed) // ((u + 1) * max(per_sample, 4 * boundary)))
+                      for per_sample, fixed in layer_bytes(mcfg, precision, device)))
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -137,11 +138,11 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def layer_bytes(mcfg: ModelConfig, precision: str, device: str,
-                sizes: tuple[int, int] = (8, 32)) -> tuple[float, float]:
-    """(bytes per sample, bytes at no samples) of the hungriest layer kind (the embedding, a
-    block, the head), each run forward and backward alone as the executor runs a layer: the
-    slope between two micro-batch sizes of the bytes autograd saves for backward and, on CUDA,
-    of the peak allocated; the larger of the two.
+                sizes: tuple[int, int] = (8, 32)) -> list[tuple[float, float]]:
+    """[(bytes per sample, bytes at no samples)] of each layer kind (the embedding, a block,
+    the head), each run forward and backward alone as the executor runs a layer: the slope
+    between two micro-batch sizes of the bytes autograd saves for backward and, on CUDA, of
+    the peak allocated; the larger of the two.
 
     Each layer alone, not a whole one-block model: there the embedding's and the head's weight
     gradients, allocated late in backward when the activations are freed, set the peak at a
@@ -149,47 +150,50 @@ def layer_bytes(mcfg: ModelConfig, precision: str, device: str,
     BERT-Large fp32 where 830 fit and 1,660 did not). A first pass at the smaller size
     allocates what is allocated once (cuBLAS's workspace)."""
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
     layered = build_model(replace(mcfg, layers=1))
     task = build_task(layered)
     stages = [s.train().to(dev, compute_dtype(precision))
               for s in layered.assemble().stages()]
-    worst = (0.0, 0.0)
-    for index, stage in enumerate(stages):
-        used: dict[int, list[int]] = {}
-        for b in (sizes[0], *sizes):
-            batch = Sharder(task, b, 1).batches(0, range(1))[0].to(dev)
-            x = None
-            with torch.no_grad():
-                for before in stages[:index]:
-                    x = before(x, batch)
-            if x is not None:
-                x.requires_grad_(True)
-            saved: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                st = t.untyped_storage()
-                saved[st.data_ptr()] = st.nbytes()
-                return t
-
-            reset_peak(dev)
-            start = torch.cuda.memory_allocated(dev) if cuda else 0
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = stage(x, batch)
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(torch.ones_like(out))
-            peak = torch.cuda.max_memory_allocated(dev) - start if cuda else 0
-            used[b] = [sum(saved.values()), peak]
-            stage.zero_grad(set_to_none=True)
-            del out, x, batch
+    out = []
+    for index in range(len(stages)):
+        used = {b: _stage_bytes(stages, index, Sharder(task, b, 1), dev)
+                for b in (sizes[0], *sizes)}  # the smaller size twice: warm-up, then measured
         lo, hi = used[sizes[0]], used[sizes[1]]
         slope = max((h - low) / (sizes[1] - sizes[0]) for low, h in zip(lo, hi))
-        fixed = max(max(lo) - sizes[0] * slope, 0.0)
-        worst = max(worst, (slope, fixed))
+        out.append((slope, max(max(lo) - sizes[0] * slope, 0.0)))
     del stages
-    if cuda:
+    if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return worst
+    return out
+
+
+def _stage_bytes(stages: list, index: int, sharder: Sharder, dev: torch.device) -> list[int]:
+    """[bytes saved for backward, peak bytes allocated (CUDA; else 0)] of stage ``index``'s
+    forward and backward on one micro-batch, its input made by the stages before it."""
+    batch = sharder.batches(0, range(1))[0].to(dev)
+    x = None
+    with torch.no_grad():
+        for before in stages[:index]:
+            x = before(x, batch)
+    if x is not None:
+        x.requires_grad_(True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    cuda = dev.type == "cuda"
+    reset_peak(dev)
+    start = torch.cuda.memory_allocated(dev) if cuda else 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stages[index](x, batch)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.ones_like(out))
+    peak = torch.cuda.max_memory_allocated(dev) - start if cuda else 0
+    stages[index].zero_grad(set_to_none=True)
+    return [sum(saved.values()), peak]
 
 
 def l2l_fit(run, mcfg: ModelConfig, precision: str, u: int, device: str, cap: int, *,

@@ -19,11 +19,12 @@ from dataclasses import asdict
 
 from eps_server.config import ServerArgs
 from protocol import cli
+from protocol.lifecycle import skip_exit_collections
 from protocol.trace import merge
 
 from .config import LaunchArgs
 from .console import Console, table
-from .launcher import Launcher, private_run_dir
+from .launcher import READY_TIMEOUT, Launcher, private_run_dir
 from .roles import run_role, server_config, worker_args
 
 
@@ -54,7 +55,8 @@ def build(args: LaunchArgs) -> Launcher:
     cli.write_file(args, os.path.join(logs, "config.json"))  # the job as resolved
     return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, console,
                     max_restarts=a.max_restarts,
-                    checkpoints=os.path.abspath(server.save) if server.save else "")
+                    checkpoints=os.path.abspath(server.save) if server.save else "",
+                    early_workers=args.worker.eps_timeout >= READY_TIMEOUT)
 
 
 def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -> dict:
@@ -108,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(plan_text(args), flush=True)
         return 0
-    if args.launch.role != "all":
-        return run_role(args)
+    if args.launch.role != "all":  # a container's one process: the EPS or a worker
+        try:
+            return run_role(args)
+        finally:
+            skip_exit_collections()
     launcher = build(args)
     t0 = time.perf_counter()
     try:

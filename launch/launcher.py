@@ -56,8 +56,11 @@ NO_FAULT = ["--fault", ""]  # a replacement never inherits a test's fault
 class Launcher:
     def __init__(self, server_argv: list[str], worker_argvs: list[list[str]], run_id: str,
                  run_dir: str, steps: int, console: Console, max_restarts: int = 0,
-                 checkpoints: str = ""):
+                 checkpoints: str = "", early_workers: bool = True):
         self.server_argv = server_argv
+        # Workers start with the EPS (their start-up overlaps its own) when they wait for its
+        # answer at least as long as it may take to be ready (--eps-timeout >= READY_TIMEOUT).
+        self.early_workers = early_workers
         self.worker_argvs = worker_argvs
         self.run_id = run_id
         self.run_dir = run_dir
@@ -245,9 +248,11 @@ class Launcher:
                    default=0)
 
     def _run(self) -> int:
-        if not self._start_server(with_workers=True):
+        if not self._start_server(with_workers=self.early_workers):
             return 1
         self.console.start()
+        if not self.early_workers:
+            self._start_workers(range(len(self.worker_argvs)), replacement=False)
         server_gone: float | None = None
         while True:
             code = self.server.proc.poll()  # first: its workers fail when it is gone

@@ -195,3 +195,25 @@ def test_the_launcher_and_ctl_start_without_torch():
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "True", "True"]
+
+
+@pytest.mark.parametrize("timeout, early", [(None, True), ("120", True), ("30", False)])
+def test_workers_start_with_the_eps_only_when_they_wait_for_it_long_enough(
+        tmp_path, monkeypatch, timeout, early):
+    """Workers start beside the EPS (their start-up overlaps its own) when their --eps-timeout
+    covers the time the EPS may take to be ready; otherwise once it is ready, as a short
+    timeout must not count the EPS's start-up."""
+    import shutil
+
+    from launch.__main__ import build
+    from launch.config import LaunchArgs
+    from protocol import cli
+
+    monkeypatch.chdir(tmp_path)
+    args = cli.parse(LaunchArgs, ["--workers", "2", *SMALL,
+                                  *(["--eps-timeout", timeout] if timeout else [])], "l2l-launch")
+    launcher = build(args)
+    try:
+        assert launcher.early_workers is early
+    finally:
+        shutil.rmtree(launcher.run_dir, ignore_errors=True)
