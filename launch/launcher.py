@@ -58,9 +58,7 @@ class Launcher:
                  run_dir: str, steps: int, console: Console, max_restarts: int = 0,
                  checkpoints: str = "", early_workers: bool = True):
         self.server_argv = server_argv
-        # Workers start with the EPS (their start-up overlaps its own) when they wait for its
-        # answer at least as long as it may take to be ready (--eps-timeout >= READY_TIMEOUT).
-        self.early_workers = early_workers
+        self.early_workers = early_workers  # see _start_server
         self.worker_argvs = worker_argvs
         self.run_id = run_id
         self.run_dir = run_dir
@@ -68,9 +66,7 @@ class Launcher:
         self.console = console
         self.max_restarts = max_restarts
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
-        # A checkpoint already there is another run's (or the one this run loaded): never one
-        # to restart from.
-        self._foreign = _stamp(checkpoints)
+        self._foreign = _stamp(checkpoints)  # there before (another run's, or loaded): not ours
         self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
         self.children: list[Child] = []
         self.workers: dict[int, Child] = {}
@@ -211,9 +207,10 @@ class Launcher:
                           "pushed already)")
 
     def _start_server(self, extra: list[str] = (), with_workers: bool = False) -> bool:
-        """Start the EPS and wait until it is ready. ``with_workers``: start the workers at
-        once too (they wait for the EPS to answer their Hello), so that their start-up
-        (imports, model and data) overlaps the EPS's, seconds of CPU each."""
+        """Start the EPS and wait until it is ready. ``with_workers``: start the workers at once
+        too, so their start-up (imports, model, data: seconds of CPU each) overlaps the EPS's;
+        for workers that wait for its answer as long as it may take (--eps-timeout >=
+        READY_TIMEOUT)."""
         self._ready.clear()
         self.server = self._spawn("eps", [*self.server_argv, *extra])
         if with_workers:
