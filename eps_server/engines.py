@@ -37,9 +37,29 @@ log = logging.getLogger("eps_server")
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True if every element is finite, in one reduction pass: a NaN or inf anywhere makes the
-    sum non-finite, while a float64 sum of finite fp32/bf16/fp16 values cannot overflow."""
-    return bool(torch.isfinite(t.sum(dtype=torch.float64)))
+    """True if every element is finite: then so are the smallest and the largest (min and max
+    propagate NaN). One vectorized pass, exact, nothing to overflow; a float64 sum, which is
+    not vectorized, took 5x as long as the AdamW update it guarded."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+NORM_ROW = 4096
+
+
+def norm2(t: torch.Tensor) -> float:
+    """The L2 norm of a flat tensor: fp32 norms of rows of NORM_ROW elements (vectorized),
+    combined in float64, within 1e-8 of the float64 norm at the speed of an fp32 one (one fp32
+    norm over a whole 12.6M-element layer is off by 5e-4; a float64 one takes 20x as long). In
+    float64 throughout where that is not finite, so inf/NaN means an element is, never that
+    squares overflowed fp32."""
+    m = t.numel() // NORM_ROW * NORM_ROW
+    rows = torch.linalg.vector_norm(t[:m].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
+    n = math.sqrt(float(rows.double().square().sum())
+                  + float(torch.linalg.vector_norm(t[m:], dtype=torch.float64)) ** 2)
+    return n if math.isfinite(n) else float(torch.linalg.vector_norm(t, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -132,21 +152,20 @@ class LayerMath:
 
     def reduce(self, src: torch.Tensor, check_finite: bool) -> Reduced:
         """Add ``src``. With ``check_finite``, a non-finite gradient is refused (nothing added)
-        and the sum is checked as it is made: the add runs chunk by chunk and each chunk's sum
-        is read while the chunk is still in cache (finite gradients can overflow together)."""
+        and the sum is checked as it is made: the add runs chunk by chunk and each chunk is
+        checked while it is still in cache (finite gradients can overflow together)."""
         if check_finite and not all_finite(src):
             return Reduced.REFUSED
         if self.added == 0:
             self.grad.copy_(src)
-        elif not check_finite:
-            self.grad.add_(src)
-        else:
-            total = 0.0
+        else:  # by chunks also because adding a bf16/fp16 tensor whole converts it into a
+            finite = True  # fresh fp32 temporary first (4x as long, page faults included)
             for lo in range(0, self.grad.numel(), CHUNK):
                 part = self.grad[lo:lo + CHUNK]
                 part.add_(src[lo:lo + CHUNK])
-                total += float(part.sum(dtype=torch.float64))
-            if not math.isfinite(total):
+                if check_finite:
+                    finite = all_finite(part) and finite  # every chunk is added
+            if not finite:
                 return Reduced.OVERFLOW
         self.added += 1
         return Reduced.OK
@@ -154,7 +173,7 @@ class LayerMath:
     def measure(self, norm: bool, check_finite: bool) -> LayerStats:
         """Finiteness (if asked) and, if ``norm``, squared norm: one pass either way."""
         if norm:
-            n = float(torch.linalg.vector_norm(self.grad, dtype=torch.float64))
+            n = norm2(self.grad)
             return LayerStats(math.isfinite(n), n * n)
         return LayerStats(all_finite(self.grad) if check_finite else True, 0.0)
 

@@ -1,0 +1,103 @@
+"""The checks around an EPS update (in one process, no sockets): finiteness of a pushed
+gradient and of a sum, the layer's gradient norm, and the reduction into the accumulator, with
+NaN/inf anywhere, values whose sum or squares overflow, and every gradient dtype."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eps_server.config import OptimizerConfig
+from eps_server.engines import CHUNK, LayerMath, Reduced, all_finite, norm2
+from eps_server.optimizers import make_optimizer
+from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# More than two chunks, not a multiple of one: the reduction's chunk loop has a ragged end.
+N = 2 * CHUNK + 1000
+PLAN = plan_layout(Manifest(layers=(LayerSpec(name="l", kind="k", tensors=(
+    TensorSpec(name="w", shape=(N,)),)),))).layers[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+       size=st.integers(1, 5000), where=st.floats(0, 1, exclude_max=True),
+       threads=st.sampled_from([1, 2]))
+def test_one_non_finite_element_anywhere_is_found(dtype, bad, size, where, threads):
+    t = torch.randn(size).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # a parallel min/max must still propagate NaN
+    try:
+        assert all_finite(t)
+        t[int(where * size)] = bad
+        assert not all_finite(t)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_largest_finite_values_are_finite(dtype):
+    """Their sum overflows in every float type: a check by summing would call them infinite."""
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.full((N,), big, dtype=dtype))
+    assert all_finite(torch.tensor([big, -big], dtype=dtype))
+    assert all_finite(torch.empty(0, dtype=dtype))
+
+
+def test_the_norm_equals_the_float64_norm_and_survives_squares_beyond_fp32():
+    g = torch.randn(N) * 1e-3
+    assert norm2(g) == pytest.approx(float(torch.linalg.vector_norm(g.double())), rel=1e-8)
+    assert norm2(g[:100]) == pytest.approx(float(torch.linalg.vector_norm(g[:100].double())),
+                                           rel=1e-8)  # shorter than a row
+    huge = torch.full((N,), 1e30)  # squares are 1e60, far beyond fp32: finite in float64
+    assert norm2(huge) == pytest.approx(float(huge[0]) * math.sqrt(N), rel=1e-9)
+    for bad in (math.nan, math.inf):
+        g[N // 2] = bad
+        assert not math.isfinite(norm2(g))
+
+
+def layer_math() -> LayerMath:
+    cfg = OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.0)
+    return LayerMath(make_optimizer(PLAN, torch.zeros(N), torch.zeros(N), None, cfg),
+                     torch.zeros(N))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("check", [True, False])
+def test_gradients_are_summed_exactly_as_fp32(dtype, check):
+    parts = [torch.randn(N).to(dtype) for _ in range(3)]
+    m = layer_math()
+    for p in parts:
+        assert m.reduce(p, check_finite=check) == Reduced.OK
+    expect = parts[0].float() + parts[1].float() + parts[2].float()
+    assert torch.equal(m.grad, expect) and m.added == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_non_finite_gradient_is_refused_and_adds_nothing(dtype):
+    m = layer_math()
+    first = torch.randn(N).to(dtype)
+    assert m.reduce(first, check_finite=True) == Reduced.OK
+    bad = torch.randn(N).to(dtype)
+    bad[N - 1] = math.inf  # in the last, short chunk
+    assert m.reduce(bad, check_finite=True) == Reduced.REFUSED
+    assert torch.equal(m.grad, first.float()) and m.added == 1
+    fresh = layer_math()
+    assert fresh.reduce(bad, check_finite=True) == Reduced.REFUSED and fresh.added == 0
+
+
+def test_finite_gradients_whose_sum_overflows_are_an_overflow():
+    m = layer_math()
+    big = torch.zeros(N)
+    big[CHUNK + 7] = torch.finfo(torch.float32).max  # in the middle chunk
+    big[-1] = 1.0
+    assert m.reduce(big, check_finite=True) == Reduced.OK
+    assert m.reduce(big, check_finite=True) == Reduced.OVERFLOW
+    assert m.grad[-1] == 2.0  # the chunks after the overflow were still added
+    stats = m.measure(norm=True, check_finite=True)
+    assert not stats.finite
+    assert not m.measure(norm=False, check_finite=True).finite
