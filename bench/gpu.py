@@ -161,12 +161,14 @@ def bench_overhead(a) -> dict:
     s = job(a, m, seq=seq, mbs=mbs, u=u)
     l2lp = steady_step_seconds(s, a.warmup)
     waits = step_waits(s, a.warmup)
-    rows = [["same loop, every weight on the device, AdamW there", local, 0.0, "-", "-"],
+    rows = [["same loop, every weight on the device, AdamW there", local, 0.0, "-", "-", "-"],
             ["L2Lp: EPS on the host, prefetch + async pushes", l2lp, l2lp / local - 1,
-             waits["fetch_wait"], waits["push_wait"]]]
+             waits["fetch_wait"], waits["push_wait"],
+             waits["eps_reduce_seconds"] + waits["eps_update_seconds"]]]
     return {"table": table(f"overhead: BERT L={m['layers']} H={m['hidden']} T={seq} u={u} "
                            f"B={mbs}, fp32", ["config", "s/step", "exposed overhead",
-                                              "wait weights s", "wait slots+acks s"], rows),
+                                              "wait weights s", "wait slots+acks s",
+                                              "EPS engine s"], rows),
             "step_seconds": {"local": local, "l2lp": l2lp}, "waits": waits,
             "targets": [check("L2Lp exposed overhead vs weights on device", l2lp / local - 1,
                               "<=", 0.10)]}
@@ -175,9 +177,15 @@ def bench_overhead(a) -> dict:
 def step_waits(summary: dict, warmup: int) -> dict[str, float]:
     """Where a step's time goes: the worker's waits for weights (at a step's start, the EPS's
     last updates) and for gradient slots and pushes' acknowledgements (on CUDA also the device
-    catching up with the kernels queued ahead), medians of the measured steps."""
-    return {k: median([w or 0.0 for w in summary[k][warmup:]] or [0.0])
-            for k in ("fetch_wait", "push_wait")}
+    catching up with the kernels queued ahead), medians of the measured steps; and the EPS's
+    engine seconds a step (reductions, with their finiteness checks, and updates; summed over
+    its engines, averaged over every step)."""
+    out = {k: median([w or 0.0 for w in summary[k][warmup:]] or [0.0])
+           for k in ("fetch_wait", "push_wait")}
+    eps = summary.get("eps", {})
+    for k in ("reduce_seconds", "update_seconds"):
+        out[f"eps_{k}"] = eps.get(k, 0.0) / max(1, eps.get("steps_completed", 1))
+    return out
 
 
 def bench_paper(a) -> dict:
@@ -279,7 +287,9 @@ def bench_mfu(a) -> dict:
     rows = [[k, v, v / max(sum(split.values()), 1e-9)] for k, v in split.items()]
     waits = step_waits(s, a.warmup)
     rows += [["summary: median wait for weights", waits["fetch_wait"], "-"],
-             ["summary: median wait for slots+acks", waits["push_wait"], "-"]]
+             ["summary: median wait for slots+acks", waits["push_wait"], "-"],
+             ["EPS engines: reducing (engine seconds/step)", waits["eps_reduce_seconds"], "-"],
+             ["EPS engines: updating (engine seconds/step)", waits["eps_update_seconds"], "-"]]
     return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
                            f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
                            f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "
