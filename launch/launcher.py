@@ -15,8 +15,8 @@ With ``max_restarts`` N (torchelastic's semantics: N restarts in all), a worker 
 an error, or that the EPS declares dead (a hung one is killed first), is started again with the
 same rank: it rejoins and redoes the step it was in exactly (the EPS runs with --recovery). An
 EPS that dies takes the job down: every worker is stopped and the job starts again from the
-EPS's last checkpoint (--server-save), losing the steps after it. Without restarts, any of
-these fails the job.
+EPS's last checkpoint (--server-save), losing the steps after it. Without restarts, any of these
+fails the job.
 """
 
 from __future__ import annotations
@@ -207,10 +207,9 @@ class Launcher:
                           "pushed already)")
 
     def _start_server(self, extra: list[str] = (), with_workers: bool = False) -> bool:
-        """Start the EPS and wait until it is ready. ``with_workers``: start the workers at once
-        too, so their start-up (imports, model, data: seconds of CPU each) overlaps the EPS's;
-        for workers that wait for its answer as long as it may take (--eps-timeout >=
-        READY_TIMEOUT)."""
+        """Start the EPS and wait until it is ready. ``with_workers``: start the workers too, so
+        their start-up (imports, model, data) overlaps the EPS's, when they wait for it long
+        enough (--eps-timeout >= READY_TIMEOUT); one that fails meanwhile is seen at once."""
         self._ready.clear()
         self.server = self._spawn("eps", [*self.server_argv, *extra])
         if with_workers:
@@ -221,6 +220,8 @@ class Launcher:
                 self.failure = f"eps-server exited with status {self.server.proc.returncode} " \
                                "before it was ready"
                 return False
+            if with_workers and not self._check_workers():
+                return False
             if time.monotonic() > deadline:
                 self.failure = f"eps-server not ready within {READY_TIMEOUT:.0f} s"
                 return False
@@ -228,8 +229,7 @@ class Launcher:
 
     def _start_workers(self, ranks, replacement: bool) -> None:
         for r in ranks:
-            self.workers[r] = self._spawn(f"w{r}", self.worker_argvs[r] +
-                                          (NO_FAULT if replacement else []))
+            self.workers[r] = self._spawn(f"w{r}", self.worker_argvs[r] + NO_FAULT * replacement)
 
     def _may_restart(self, what: str) -> bool:
         if len(self.restarts) < self.max_restarts:

@@ -4,6 +4,7 @@ killed."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -217,3 +218,29 @@ def test_workers_start_with_the_eps_only_when_they_wait_for_it_long_enough(
         assert launcher.early_workers is early
     finally:
         shutil.rmtree(launcher.run_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_worker_that_fails_while_the_eps_starts_is_seen_at_once(tmp_path, monkeypatch,
+                                                                  restarts):
+    """Workers started beside the EPS may fail before it is ready (a bad option, a model they
+    cannot build): the job fails then, naming the worker (after its restarts), instead of
+    waiting for an EPS that is still loading (here one that never gets ready)."""
+    from launch import launcher as mod
+    from launch.console import Console
+
+    monkeypatch.setattr(mod, "READY_TIMEOUT", 60.0)
+    marker = tmp_path / "starts"
+    eps = [sys.executable, "-c", "import time; time.sleep(120)"]
+    worker = [sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x'); raise SystemExit(3)"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    console = Console(4, str(tmp_path), quiet=True, out=io.StringIO(), tty=False)
+    job = mod.Launcher(eps, [worker], "test-early", str(run_dir), 4, console,
+                       max_restarts=restarts, early_workers=True)
+    t0 = time.monotonic()
+    assert job.run() == 1
+    assert time.monotonic() - t0 < 30  # not the 60 s the EPS is given to get ready
+    assert job.failure.startswith("w0 exited with status 3"), job.failure
+    assert marker.read_text() == "x" * (1 + restarts)  # restarted as it would be later
+    assert all(c.proc.poll() is not None for c in job.children)  # the EPS is stopped too
