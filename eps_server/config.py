@@ -7,6 +7,7 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
@@ -105,9 +106,10 @@ class ServerConfig:
     """fp16 only: initial dynamic loss scale."""
     loss_scale_window: int = 1000
     """fp16 only: double the scale after this many steps without overflow (halve on one)."""
-    threads: int = field(default=1, metadata={"flag": "--server-threads"})
+    threads: int = field(default=0, metadata={"flag": "--server-threads"})
     """Math engines (threads) for reduction and updates, each owning a shard of the layers;
-    also the EPS's torch intra-op threads."""
+    also the EPS's torch intra-op threads, shared by the engines busy at a time. 0: the cores
+    this process may use (l2l-launch: less its workers' --threads)."""
     grad_slots: int = 2
     """Gradient slots per worker in shared memory (layers whose reduction may be in flight)."""
     peer_requests: int = 256
@@ -151,8 +153,8 @@ class ServerConfig:
             raise ValueError("world_size must be in [1, 4096]")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}")
-        if self.threads < 1 or self.grad_slots < 1 or self.peer_requests < 1:
-            raise ValueError("threads, grad_slots and peer_requests must be >= 1")
+        if self.threads < 0 or self.grad_slots < 1 or self.peer_requests < 1:
+            raise ValueError("threads must be >= 0, grad_slots and peer_requests >= 1")
         if self.update not in ("eager", "deferred"):
             raise ValueError("update must be eager or deferred")
         if not self.loss_scale > 0 or self.loss_scale_window < 1:
@@ -181,6 +183,20 @@ class ServerConfig:
     def loss_scaling(self) -> bool:
         """Dynamic loss scaling is on for fp16 compute (bf16 has fp32's range)."""
         return self.precision == "fp16"
+
+    @property
+    def math_threads(self) -> int:
+        """``threads``, with 0 resolved to the cores this process may use."""
+        return self.threads or available_cores()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset and
+    ``taskset`` narrow; os.cpu_count() counts the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(kw_only=True)

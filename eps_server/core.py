@@ -66,7 +66,7 @@ class EpsCore:
         self.stats = stats or EpsStats()
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._wake = wake
-        self.engines = Engines(store, layer_math(store, cfg.optimizer), cfg.threads,
+        self.engines = Engines(store, layer_math(store, cfg.optimizer), cfg.math_threads,
                                self._on_done, inline=inline, tracer=tracer)
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)

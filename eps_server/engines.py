@@ -14,6 +14,7 @@ deterministically); results still arrive through ``on_done``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -203,6 +204,35 @@ def layer_math(store: LayerStore, cfg: OptimizerConfig) -> list[LayerMath]:
 # ----------------------------------------------------------------------------- engines
 
 
+class ThreadBudget:
+    """The EPS's intra-op threads, shared by the engines busy at a time: a job takes
+    ``threads // busy`` (at least 1) as it starts. While a backward pass streams gradients in,
+    many engines update at once with a few threads each; the step's last layers, which the
+    next forward waits for, get them all. (Each engine with every thread oversubscribed the
+    cores: n engines x n OpenMP threads.) The count is per thread (OpenMP's), so setting it
+    here changes no other engine's."""
+
+    def __init__(self, threads: int):
+        self.threads = max(1, threads)
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def share(self):
+        with self._lock:
+            self._busy += 1
+            n = max(1, self.threads // self._busy)
+        # torch sets a thread's OpenMP count from the last one set anywhere at the thread's
+        # first parallel op: that happens now, before ours, or it would undo ours.
+        torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield n
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+
 @dataclass
 class _Park:
     gate: threading.Barrier
@@ -215,6 +245,7 @@ class Engines:
                  tracer: Tracer = NULL):
         self.store, self.layers, self.on_done, self.tracer = store, layers, on_done, tracer
         self.n = 1 if inline else max(1, min(n, len(layers)))
+        self.budget = ThreadBudget(n)
         self.inline = inline
         self._stopping = False
         self._parks: list[_Park] = []  # exclusive jobs under way (released on close)
@@ -282,11 +313,13 @@ class Engines:
                 except threading.BrokenBarrierError:  # stopping
                     continue
                 try:
-                    done = self._execute(job)
+                    with self.budget.share():  # the others are parked: all of them
+                        done = self._execute(job)
                 finally:
                     park.release.set()
             else:
-                done = self._execute(item)
+                with self.budget.share():
+                    done = self._execute(item)
             self.on_done(done)
 
     def _execute(self, job) -> Done:

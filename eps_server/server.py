@@ -60,7 +60,7 @@ class EpsServer:
         self._stop: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
         self._settle_timer: asyncio.TimerHandle | None = None
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.math_threads)
 
     async def serve(self) -> None:
         self._loop = asyncio.get_running_loop()

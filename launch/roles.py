@@ -8,7 +8,7 @@ import os
 import secrets
 from dataclasses import replace
 
-from eps_server.config import ServerConfig
+from eps_server.config import ServerConfig, available_cores
 from protocol import cli
 from protocol.checkpoints import latest
 from worker.config import WorkerArgs
@@ -17,11 +17,14 @@ from .config import LaunchArgs
 
 
 def server_config(args: LaunchArgs, endpoint: str, run_id: str, trace: str = "") -> ServerConfig:
-    """The EPS of this job: world size from --workers, recovery on with --max-restarts."""
+    """The EPS of this job: world size from --workers, recovery on with --max-restarts, and
+    (--server-threads 0) the cores its workers' --threads leave (the workers of a container
+    job share the box as well)."""
     a = args.launch
+    threads = args.server.threads or max(1, available_cores() - a.workers * args.worker.threads)
     return replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
                    exit_when_done=True, recovery=args.server.recovery or a.max_restarts > 0,
-                   trace=trace)
+                   trace=trace, threads=threads)
 
 
 def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,

@@ -56,6 +56,7 @@ class Cluster:
         self.server = self.spawn(
             [sys.executable, "-m", "eps_server", "--endpoint", self.endpoint, "--world-size",
              str(world_size), "--run-id", self.run_id, "--exit-when-done",
+             "--server-threads", "1",  # the suite's processes share a few cores
              "--events", str(events), *extra], "eps")
         if workers:
             workers()

@@ -244,3 +244,27 @@ def test_a_worker_that_fails_while_the_eps_starts_is_seen_at_once(tmp_path, monk
     assert job.failure.startswith("w0 exited with status 3"), job.failure
     assert marker.read_text() == "x" * (1 + restarts)  # restarted as it would be later
     assert all(c.proc.poll() is not None for c in job.children)  # the EPS is stopped too
+
+
+def test_the_eps_gets_the_cores_its_workers_leave(monkeypatch):
+    """--server-threads 0 (the default): l2l-launch (and each container's --role eps) gives the
+    EPS the cores left after every worker's --threads, at least one; an eps-server on its own
+    takes the cores it may run on. A number given is kept."""
+    from eps_server.config import ServerConfig, available_cores
+    from launch import roles
+    from launch.config import LaunchArgs
+    from protocol import cli
+
+    monkeypatch.setattr(roles, "available_cores", lambda: 16)
+
+    def threads(*argv: str) -> int:
+        return roles.server_config(cli.parse(LaunchArgs, list(argv), "l2l-launch"),
+                                   "ipc:///tmp/x.sock", "r").threads
+
+    assert threads("--workers", "2", "--threads", "4") == 8
+    assert threads("--workers", "1") == 15
+    assert threads("--workers", "8", "--threads", "4") == 1
+    assert threads("--workers", "2", "--server-threads", "3") == 3
+    assert ServerConfig().threads == 0
+    assert ServerConfig().math_threads == available_cores() == len(os.sched_getaffinity(0))
+    assert ServerConfig(threads=5).math_threads == 5

@@ -1,10 +1,12 @@
-"""The checks around an EPS update (in one process, no sockets): finiteness of a pushed
-gradient and of a sum, the layer's gradient norm, and the reduction into the accumulator, with
-NaN/inf anywhere, values whose sum or squares overflow, and every gradient dtype."""
+"""The work around an EPS update (in one process, no sockets): finiteness of a pushed gradient
+and of a sum, the layer's gradient norm, and the reduction into the accumulator, with NaN/inf
+anywhere, values whose sum or squares overflow, and every gradient dtype; the engines' shared
+intra-op threads."""
 
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig
-from eps_server.engines import CHUNK, LayerMath, Reduced, all_finite, norm2
+from eps_server.engines import CHUNK, LayerMath, Reduced, ThreadBudget, all_finite, norm2
 from eps_server.optimizers import make_optimizer
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 
@@ -101,3 +103,35 @@ def test_finite_gradients_whose_sum_overflows_are_an_overflow():
     stats = m.measure(norm=True, check_finite=True)
     assert not stats.finite
     assert not m.measure(norm=False, check_finite=True).finite
+
+
+def test_busy_engines_share_the_threads_and_the_last_one_gets_them_all():
+    """A job takes threads // busy engines as it starts; each engine's count is its own
+    (OpenMP's is per thread), so one engine's share does not change another's."""
+    before = torch.get_num_threads()
+    budget = ThreadBudget(6)
+    seen: dict[str, int] = {}
+    first_in, second_done = threading.Event(), threading.Event()
+
+    def first():
+        with budget.share() as n:
+            seen["first"] = n
+            first_in.set()
+            second_done.wait(10)
+            seen["first after"] = torch.get_num_threads()
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert first_in.wait(10)
+        with budget.share() as n:  # this thread is a second engine, busy at the same time
+            seen["second"], seen["second set"] = n, torch.get_num_threads()
+        second_done.set()
+        t.join(10)
+        with budget.share() as n:  # alone again
+            seen["alone"] = n
+    finally:
+        second_done.set()
+        torch.set_num_threads(before)
+    assert seen == {"first": 6, "second": 3, "second set": 3, "first after": 6, "alone": 6}
+    assert ThreadBudget(2).threads == 2 and ThreadBudget(0).threads == 1
