@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bootstrap, gpu, load, memory, optimizer, scale, speed, transfer
+from . import bootstrap, engines, gpu, load, memory, optimizer, scale, speed, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "transfer": (transfer.add_args, transfer.transfer),
     "scale": (scale.add_args, scale.scale),
     "optimizer": (optimizer.add_args, optimizer.optimizer),
+    "engines": (engines.add_args, engines.engines),
     "bootstrap": (bootstrap.add_args, bootstrap.bootstrap),  # needs transformers
     "load": (load.add_args, load.load),
     "recovery": (speed.add_args, speed.recovery),

@@ -3,6 +3,8 @@ against a baseline measured in the same run, on the same GPU.
 
     transfer  H2D from a registered EPS shared-memory region and D2H into one, against a
               pin_memory() tensor of the same size (targets: >= 0.9x)
+    engines   the EPS's update throughput on this host's cores (bench/engines.py; no GPU):
+              what bounds a step when the GPU is fast
     overhead  exposed overhead of L2Lp: the EPS-backed worker against the same loop with
               every weight already on the device and AdamW run there
     paper     the paper's Tables 2/3 on one GPU: BERT-Large (24 x 1024, FFN 4096), device
@@ -42,7 +44,7 @@ from .gpu_parts import (
 )
 from .local import local_l2l_step_seconds
 
-PIECES = ("transfer", "overhead", "paper", "depth", "mfu", "peers")
+PIECES = ("transfer", "engines", "overhead", "paper", "depth", "mfu", "peers")
 BERT_LARGE = dict(model="bert", layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522,
                   classes=2)
 TINY = dict(model="bert", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
@@ -150,6 +152,13 @@ def bench_transfer(a) -> dict:
                            ["copy", "registered GB/s", "pinned GB/s", "ratio"], rows),
             **r, "targets": [check(f"{d} registered / pinned", r[d]["ratio"], ">=", 0.9)
                              for d in ("h2d", "d2h")]}
+
+
+def bench_engines(a) -> dict:
+    from .engines import engines
+
+    return engines(argparse.Namespace(hidden=64 if a.tiny else 1024, layers=12,
+                                      reps=1 if a.tiny else 3, threads=""))
 
 
 def bench_overhead(a) -> dict:

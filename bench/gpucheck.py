@@ -38,6 +38,7 @@ NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "yaml", "t
 # --full, seconds it needs at least to be worth starting, seconds it may take at most (not
 # with --full)). DeepSpeed comes last: its CPU Adam is compiled at first use.
 PIECES = [("transfer", "transfer", [], [], 20, 60),
+          ("engines", "engines", [], [], 20, 60),
           ("overhead", "overhead", [], [], 60, 120),
           ("paper", "paper", ["--seq", "128", "--u", "1,4", "--steps", "2", "--warmup", "1"],
            [], 120, 240),
