@@ -145,6 +145,24 @@ def test_markov_task_follows_the_chain():
     assert 0 < task.entropy < torch.log(torch.tensor(4.0))
 
 
+def test_markov_task_walks_with_the_chains_probabilities():
+    """Each successor is taken as often as its probability says: every token's observed
+    transition frequencies within 5 standard errors of its row (32k transitions)."""
+    task = MarkovTask(cfg("gpt", vocab=64, seq_len=513))
+    seq = torch.cat([task.micro_batch(0, i, 16, 16.0).inputs for i in range(4)])
+    counts = torch.zeros(64, 4, dtype=torch.float64)
+    for a, b in zip(seq[:, :-1].reshape(-1).tolist(), seq[:, 1:].reshape(-1).tolist()):
+        counts[a, task.succ[a].tolist().index(b)] += 1
+    visits = counts.sum(1, keepdim=True)
+    seen = visits.squeeze(1) >= 100
+    assert seen.sum() >= 32
+    p = task.probs.double()[seen]
+    freq = (counts / visits.clamp(min=1))[seen]
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / visits[seen]).sqrt() + 1e-9).all()
+    again = task.micro_batch(0, 3, 16, 16.0).inputs  # a pure function of (step, index)
+    assert torch.equal(again, seq[48:])
+
+
 def test_markov_task_entropy_rate_and_successors():
     """Each token's successors are distinct; the entropy rate from the sparse transitions is
     the one of the dense v x v chain (the sparse form lets a 32k vocabulary start at once)."""

@@ -3,6 +3,7 @@ of (seed, step, global micro-batch index)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -60,6 +61,10 @@ class MarkovTask:
         self.succ = distinct_successors(v, branching, g)
         self.probs = torch.softmax(2.0 * torch.randn(v, branching, generator=g), dim=-1)
         self.entropy = self._entropy_rate()
+        # For sampling: a successor's index is how many of the row's first k-1 cumulative
+        # probabilities a uniform draw reaches.
+        self._succ = self.succ.numpy()
+        self._bounds = self.probs.cumsum(-1)[:, :-1].numpy()
 
     def _entropy_rate(self) -> float:
         """Sum over tokens of the stationary probability times the entropy of its row; the
@@ -80,13 +85,19 @@ class MarkovTask:
         return size * count * (self.cfg.seq_len - 1)
 
     def micro_batch(self, step: int, index: int, size: int, norm: float) -> Batch:
+        """Every sample walks the chain from a uniform first token; the walk is sequential,
+        so it runs in numpy over the batch with every uniform drawn up front (a torch
+        multinomial per position took 0.9 s of a worker's step for 8 x 8 x 1024 tokens)."""
         c = self.cfg
         g = torch.Generator().manual_seed(derive_seed(c.seed, "data", step, index))
-        seq = torch.empty(size, c.seq_len, dtype=torch.long)
-        seq[:, 0] = torch.randint(0, c.vocab, (size,), generator=g)
+        first = torch.randint(0, c.vocab, (size,), generator=g).numpy()
+        draws = torch.rand(c.seq_len - 1, size, 1, generator=g).numpy()
+        walk = np.empty((c.seq_len, size), dtype=np.int64)
+        walk[0] = first
         for t in range(1, c.seq_len):
-            choice = torch.multinomial(self.probs[seq[:, t - 1]], 1, generator=g).squeeze(1)
-            seq[:, t] = self.succ[seq[:, t - 1], choice]
+            prev = walk[t - 1]
+            walk[t] = self._succ[prev, (draws[t - 1] >= self._bounds[prev]).sum(1)]
+        seq = torch.from_numpy(np.ascontiguousarray(walk.T))
         # Position t predicts token t+1; the last position has no target (-100 is ignored).
         targets = torch.cat([seq[:, 1:], torch.full((size, 1), -100)], dim=1)
         return Batch(seq, targets, norm)
