@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from eps_server.config import available_cores
 from worker.config import ModelConfig
 
 from .common import LiveRows, check, l2l_job, median, steady_step_seconds, table
@@ -49,6 +50,7 @@ BERT_LARGE = dict(model="bert", layers=24, hidden=1024, heads=16, ffn=4096, voca
                   classes=2)
 TINY = dict(model="bert", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
 GIB = 2**30
+WORKER_THREADS = 4  # the L2L worker's torch threads (data, host-side copies)
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
@@ -69,8 +71,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="fsdp2,deepspeed")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="EPS math threads (the optimizer runs there)")
+    p.add_argument("--server-threads", type=int, default=0,
+                   help="EPS math threads (the optimizer runs there); 0: l2l-launch's default, "
+                        "the cores the worker's --threads 4 leave")
     p.add_argument("--transfer-mib", type=int, default=256)
 
 
@@ -135,7 +138,8 @@ def model_argv(m: dict, *, seq: int, mbs: int, u: int) -> list[str]:
 
 def job(a, m: dict, *, seq: int, mbs: int, u: int, precision="fp32", extra=(), steps=None):
     """One L2L job (EPS + 1 worker on a.device): its summary."""
-    argv = model_argv(m, seq=seq, mbs=mbs, u=u) + ["--device", a.device, "--threads", "4"]
+    argv = model_argv(m, seq=seq, mbs=mbs, u=u) + ["--device", a.device, "--threads",
+                                                    str(WORKER_THREADS)]
     return l2l_job(argv, steps=steps or a.warmup + a.steps,
                    extra=["--precision", precision, "--lr", "1e-4", *extra],
                    server=["--server-threads", str(a.server_threads)])
@@ -328,7 +332,7 @@ def bench_peers(a) -> dict:
                 "skipped": "; ".join(absent.values())}
     # The peers' optimizers run on the host in this process (FSDP2's AdamW, DeepSpeed's CPU
     # Adam through the same OpenMP runtime), as the EPS's do in its threads.
-    torch.set_num_threads(a.server_threads)
+    torch.set_num_threads(a.server_threads or max(1, available_cores() - WORKER_THREADS))
     rows, out = live(a, headers), {}
     for p in ("fp32",) if a.tiny else ("bf16",):
         s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p, extra=["--stash", "host"])

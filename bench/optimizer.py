@@ -108,9 +108,10 @@ def optimizer(a) -> dict:
     t = interleaved(contenders, a.reps)
 
     stream_gbs = 12 * n / t["stream"] / 1e9
-    # a layer step also reads the bf16 gradient and writes it into the accumulator
-    bytes_per = {"eps adamw + bf16 copy": 30, "eps layer step": 36,
-                 "eps layer step, clip": 36}
+    # a layer step also reads the bf16 gradient twice (check, copy) and writes it into the
+    # accumulator; clipping reads that once more
+    bytes_per = {"eps adamw + bf16 copy": 30, "eps layer step": 38,
+                 "eps layer step, clip": 42}
     rows = [["x.add_(y) streaming", t["stream"], None, stream_gbs]]
     for name, secs in t.items():
         if name == "stream":

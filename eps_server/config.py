@@ -107,9 +107,9 @@ class ServerConfig:
     loss_scale_window: int = 1000
     """fp16 only: double the scale after this many steps without overflow (halve on one)."""
     threads: int = field(default=0, metadata={"flag": "--server-threads"})
-    """Math engines (threads) for reduction and updates, each owning a shard of the layers;
-    also the EPS's torch intra-op threads, shared by the engines busy at a time. 0: the cores
-    this process may use (l2l-launch: less its workers' --threads)."""
+    """The EPS's torch threads for reduction and updates, shared by the math engines busy at a
+    time (one engine thread per shard of the layers, as many as threads, at most 8). 0: the
+    cores this process may use (l2l-launch: less its workers' --threads)."""
     grad_slots: int = 2
     """Gradient slots per worker in shared memory (layers whose reduction may be in flight)."""
     peer_requests: int = 256
@@ -191,12 +191,23 @@ class ServerConfig:
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its affinity mask, which a container's cpuset and
-    ``taskset`` narrow; os.cpu_count() counts the machine's)."""
+    """The cores this process may run on: its affinity mask (a container's cpuset, ``taskset``;
+    os.cpu_count() counts the machine's), within its cgroup's CPU quota (``docker --cpus``)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return min(cores, cgroup_cpu_quota() or cores)
+
+
+def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """CPUs a cgroup v2 quota allows ("QUOTA PERIOD", rounded up), or None without one."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):  # no such file, or "max": no quota
+        return None
 
 
 @dataclass(kw_only=True)

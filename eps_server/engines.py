@@ -48,19 +48,21 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 NORM_ROW = 4096
+TINY_NORM = 1e-15  # below: squares of fp32 elements may have underflowed to zero
 
 
 def norm2(t: torch.Tensor) -> float:
     """The L2 norm of a flat tensor: fp32 norms of rows of NORM_ROW elements (vectorized),
-    combined in float64, within 1e-8 of the float64 norm at the speed of an fp32 one (one fp32
-    norm over a whole 12.6M-element layer is off by 5e-4; a float64 one takes 20x as long). In
-    float64 throughout where that is not finite, so inf/NaN means an element is, never that
-    squares overflowed fp32."""
+    combined in float64: within a few 1e-8 of the float64 norm at the speed of an fp32 one
+    (one fp32 norm over a 12.6M-element layer was off by 5e-4; a float64 one takes 20x as
+    long). In float64 throughout where that is not finite (so inf/NaN means an element is,
+    never that squares overflowed fp32) or so small that fp32 squares may have underflowed."""
     m = t.numel() // NORM_ROW * NORM_ROW
     rows = torch.linalg.vector_norm(t[:m].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
     n = math.sqrt(float(rows.double().square().sum())
                   + float(torch.linalg.vector_norm(t[m:], dtype=torch.float64)) ** 2)
-    return n if math.isfinite(n) else float(torch.linalg.vector_norm(t, dtype=torch.float64))
+    return n if TINY_NORM < n < math.inf else float(torch.linalg.vector_norm(
+        t, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -155,6 +157,9 @@ class LayerMath:
         """Add ``src``. With ``check_finite``, a non-finite gradient is refused (nothing added)
         and the sum is checked as it is made: the add runs chunk by chunk and each chunk is
         checked while it is still in cache (finite gradients can overflow together)."""
+        if src.numel() != self.grad.numel():  # a short chunk would broadcast, not fail
+            raise ValueError(f"gradient of {src.numel()} elements for a layer of "
+                             f"{self.grad.numel()}")
         if check_finite and not all_finite(src):
             return Reduced.REFUSED
         if self.added == 0:
@@ -204,6 +209,11 @@ def layer_math(store: LayerStore, cfg: OptimizerConfig) -> list[LayerMath]:
 # ----------------------------------------------------------------------------- engines
 
 
+# Engines beyond a few add no parallelism the shared threads do not give, only OpenMP pools:
+# each engine thread keeps one as large as the most threads it was ever given.
+MAX_ENGINES = 8
+
+
 class ThreadBudget:
     """The EPS's intra-op threads, shared by the engines busy at a time: a job takes
     ``threads // busy`` (at least 1) as it starts. While a backward pass streams gradients in,
@@ -244,7 +254,7 @@ class Engines:
                  on_done: Callable[[Done], None], *, inline: bool = False,
                  tracer: Tracer = NULL):
         self.store, self.layers, self.on_done, self.tracer = store, layers, on_done, tracer
-        self.n = 1 if inline else max(1, min(n, len(layers)))
+        self.n = 1 if inline else max(1, min(n, len(layers), MAX_ENGINES))
         self.budget = ThreadBudget(n)
         self.inline = inline
         self._stopping = False

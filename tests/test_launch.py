@@ -268,3 +268,19 @@ def test_the_eps_gets_the_cores_its_workers_leave(monkeypatch):
     assert ServerConfig().threads == 0
     assert ServerConfig().math_threads == available_cores() == len(os.sched_getaffinity(0))
     assert ServerConfig(threads=5).math_threads == 5
+
+
+def test_a_cgroup_cpu_quota_limits_the_cores(tmp_path, monkeypatch):
+    """docker --cpus sets a CPU quota, not an affinity mask: the EPS must not take every core
+    of the host."""
+    from eps_server import config
+
+    def quota(text: str):
+        (tmp_path / "cpu.max").write_text(text)
+        return config.cgroup_cpu_quota(str(tmp_path / "cpu.max"))
+
+    assert quota("max 100000\n") is None
+    assert quota("250000 100000\n") == 3 and quota("50000 100000\n") == 1
+    assert quota("nonsense\n") is None and config.cgroup_cpu_quota(str(tmp_path / "no")) is None
+    monkeypatch.setattr(config, "cgroup_cpu_quota", lambda: 1)
+    assert config.available_cores() == 1
