@@ -58,7 +58,7 @@ class Launcher:
                  run_dir: str, steps: int, console: Console, max_restarts: int = 0,
                  checkpoints: str = "", early_workers: bool = True):
         self.server_argv = server_argv
-        self.early_workers = early_workers  # see _start_server
+        self.early_workers = early_workers  # see _start_job
         self.worker_argvs = worker_argvs
         self.run_id = run_id
         self.run_dir = run_dir
@@ -206,30 +206,35 @@ class Launcher:
                           f"later; it redoes step {ev.step + 1} ({ev.pushed} of its layers were "
                           "pushed already)")
 
-    def _start_server(self, extra: list[str] = (), with_workers: bool = False) -> bool:
-        """Start the EPS and wait until it is ready. ``with_workers``: start the workers too, so
-        their start-up (imports, model, data) overlaps the EPS's, when they wait for it long
-        enough (--eps-timeout >= READY_TIMEOUT); one that fails meanwhile is seen at once."""
+    def _start_job(self, extra: list[str] = (), replacement: bool = False) -> bool:
+        """Start the EPS and every worker; wait until the EPS is ready. ``early_workers``: the
+        workers start at once, their start-up (imports, model, data) overlapping the EPS's
+        (they wait for it: --eps-timeout >= READY_TIMEOUT), and one that fails meanwhile is
+        seen at once; otherwise they start once it is ready."""
         self._ready.clear()
         self.server = self._spawn("eps", [*self.server_argv, *extra])
-        if with_workers:
-            self._start_workers(range(len(self.worker_argvs)), replacement=False)
+        everyone = range(len(self.worker_argvs))
+        if self.early_workers:
+            self._start_workers(everyone, replacement)
         deadline = time.monotonic() + READY_TIMEOUT
         while not self._ready.wait(0.1):
             if self.server.proc.poll() is not None:
                 self.failure = f"eps-server exited with status {self.server.proc.returncode} " \
                                "before it was ready"
                 return False
-            if with_workers and not self._check_workers():
+            if self.early_workers and not self._check_workers():
                 return False
             if time.monotonic() > deadline:
                 self.failure = f"eps-server not ready within {READY_TIMEOUT:.0f} s"
                 return False
+        if not self.early_workers:
+            self._start_workers(everyone, replacement)
         return True
 
     def _start_workers(self, ranks, replacement: bool) -> None:
         for r in ranks:
-            self.workers[r] = self._spawn(f"w{r}", self.worker_argvs[r] + NO_FAULT * replacement)
+            self.workers[r] = self._spawn(f"w{r}", self.worker_argvs[r] +
+                                          (NO_FAULT if replacement else []))
 
     def _may_restart(self, what: str) -> bool:
         if len(self.restarts) < self.max_restarts:
@@ -245,11 +250,9 @@ class Launcher:
                    default=0)
 
     def _run(self) -> int:
-        if not self._start_server(with_workers=self.early_workers):
+        if not self._start_job():
             return 1
         self.console.start()
-        if not self.early_workers:
-            self._start_workers(range(len(self.worker_argvs)), replacement=False)
         server_gone: float | None = None
         while True:
             code = self.server.proc.poll()  # first: its workers fail when it is gone
@@ -335,10 +338,7 @@ class Launcher:
             f"({len(self.restarts)}/{self.max_restarts}): {max(0, done - start)} "
             "completed steps are lost and trained again")
         extra = ["--load", self.checkpoints] if step is not None else []
-        if not self._start_server(extra):
-            return False
-        self._start_workers(range(len(self.worker_argvs)), replacement=True)
-        return True
+        return self._start_job(extra, replacement=True)
 
     def stop_all(self) -> None:
         """Stop every child still running (SIGTERM, then SIGKILL), then remove what the run
