@@ -38,12 +38,17 @@ ALIGN_ELEMS = 128
 ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def __getattr__(name: str):
-    if name == "DTYPES":
+def _dtypes() -> dict:
+    if "DTYPES" not in globals():
         import torch
 
-        globals()["DTYPES"] = dtypes = {n: getattr(torch, n) for n in ITEMSIZES}
-        return dtypes
+        globals()["DTYPES"] = {n: getattr(torch, n) for n in ITEMSIZES}
+    return globals()["DTYPES"]
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":
+        return _dtypes()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -58,10 +63,8 @@ MAX_NUMEL = 1 << 40
 
 
 def dtype_of(name: str) -> torch.dtype:
-    import torch
-
     itemsize(name)  # a clear error for a name that is not a layout dtype
-    return getattr(torch, name)
+    return _dtypes()[name]
 
 
 def itemsize(name: str) -> int:
