@@ -14,7 +14,6 @@ deterministically); results still arrive through ``on_done``.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import math
@@ -32,6 +31,7 @@ from protocol.trace import NULL, Tracer
 from .config import OptimizerConfig
 from .layer_store import LayerStore
 from .optimizers import CHUNK, LayerOptimizer, make_optimizer
+from .threads import MAX_ENGINES, ThreadBudget
 from .updater import LayerStats, clip_coefficient
 
 log = logging.getLogger("eps_server")
@@ -207,40 +207,6 @@ def layer_math(store: LayerStore, cfg: OptimizerConfig) -> list[LayerMath]:
 
 
 # ----------------------------------------------------------------------------- engines
-
-
-# Engines beyond a few add no parallelism the shared threads do not give, only OpenMP pools:
-# each engine thread keeps one as large as the most threads it was ever given.
-MAX_ENGINES = 8
-
-
-class ThreadBudget:
-    """The EPS's intra-op threads, shared by the engines busy at a time: a job takes
-    ``threads // busy`` (at least 1) as it starts. While a backward pass streams gradients in,
-    many engines update at once with a few threads each; the step's last layers, which the
-    next forward waits for, get them all. (Each engine with every thread oversubscribed the
-    cores: n engines x n OpenMP threads.) The count is per thread (OpenMP's), so setting it
-    here changes no other engine's."""
-
-    def __init__(self, threads: int):
-        self.threads = max(1, threads)
-        self._busy = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def share(self):
-        with self._lock:
-            self._busy += 1
-            n = max(1, self.threads // self._busy)
-        # torch sets a thread's OpenMP count from the last one set anywhere at the thread's
-        # first parallel op: that happens now, before ours, or it would undo ours.
-        torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            yield n
-        finally:
-            with self._lock:
-                self._busy -= 1
 
 
 @dataclass

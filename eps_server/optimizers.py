@@ -25,11 +25,14 @@ import torch
 from protocol.tensors import LayerPlan, views
 
 from .config import OptimizerConfig
+from .threads import rebalance
 
 # Elements per fused call when a compute copy is written: p, g, m, v of a chunk (4 MiB) are
 # still in cache for the copy; measured best of 64K..4M on a 2-core EPYC (32 MiB L3). Without
-# a compute copy the kernel runs over whole group spans.
+# a compute copy, chunks of BIG_CHUNK: between chunks the engine's thread share is rebalanced
+# (threads.py), at no cost worth measuring.
 CHUNK = 1 << 18
+BIG_CHUNK = 1 << 22
 
 
 class LayerOptimizer:
@@ -82,9 +85,10 @@ class AdamW(LayerOptimizer):
         self.steps += 1
         scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32,
                                                             device=self.master.device)
-        chunk = self.chunk if self.compute is not None else max(1, self.master.numel())
+        chunk = self.chunk if self.compute is not None else max(self.chunk, BIG_CHUNK)
         for group, start, end in self.spans:
             for lo in range(start, end, chunk):
+                rebalance()
                 hi = min(end, lo + chunk)
                 p = self.master[lo:hi]
                 torch._fused_adamw_([p], [self.grad[lo:hi]], [self.exp_avg[lo:hi]],

@@ -14,17 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig
-from eps_server.engines import (
-    CHUNK,
-    MAX_ENGINES,
-    Engines,
-    LayerMath,
-    Reduced,
-    ThreadBudget,
-    all_finite,
-    norm2,
-)
+from eps_server.engines import CHUNK, Engines, LayerMath, Reduced, all_finite, norm2
 from eps_server.optimizers import make_optimizer
+from eps_server.threads import MAX_ENGINES, ThreadBudget, rebalance
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -175,6 +167,43 @@ def test_busy_engines_share_the_threads_and_the_last_one_gets_them_all():
         torch.set_num_threads(before)
     assert seen == {"first": 6, "second": 3, "second set": 3, "first after": 6, "alone": 6}
     assert ThreadBudget(2).threads == 2 and ThreadBudget(0).threads == 1
+
+
+def test_a_long_job_takes_a_new_share_as_others_start_and_finish():
+    """rebalance() (called between an optimizer's chunks) moves a running job to the share
+    that is fair now: fewer threads when another engine starts, all of them once it is gone;
+    outside a job it changes nothing."""
+    before = torch.get_num_threads()
+    budget = ThreadBudget(6)
+    seen: list[tuple[str, int]] = []
+    other_in, other_out, checked = threading.Event(), threading.Event(), threading.Event()
+
+    def other():
+        with budget.share():
+            other_in.set()
+            checked.wait(10)
+        other_out.set()
+
+    try:
+        with budget.share() as n:
+            seen.append(("alone", n))
+            t = threading.Thread(target=other)
+            t.start()
+            assert other_in.wait(10)
+            rebalance()
+            seen.append(("other started", torch.get_num_threads()))
+            checked.set()
+            assert other_out.wait(10)
+            rebalance()
+            seen.append(("other finished", torch.get_num_threads()))
+            t.join(10)
+        torch.set_num_threads(2)
+        rebalance()  # no share held: nothing
+        seen.append(("outside", torch.get_num_threads()))
+    finally:
+        checked.set()
+        torch.set_num_threads(before)
+    assert seen == [("alone", 6), ("other started", 3), ("other finished", 6), ("outside", 2)]
 
 
 def test_engines_are_at_most_eight_and_share_every_thread():
