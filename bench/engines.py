@@ -5,8 +5,9 @@ One step's work with one worker, as the EPS gets it: bf16 gradients of LAYERS BE
 pushed last layer first as a backward pass does, each reduced (checked finite) and updated
 (AdamW with the bf16 compute copy) by the real engines at --server-threads 1, half the cores
 and every core. Reports GB/s (38 B a parameter: the gradient read twice, the accumulator
-written and read, AdamW's p, m, v read and written, the copy written) and the speed-up over
-one thread, measured in the same run.
+written and read, AdamW's p, m, v read and written, the copy written), the speed-up over
+one thread, and the host's streaming bandwidth at the same threads (``x.add_(y)``), all
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ def step_seconds(threads: int, layers: int, hidden: int, reps: int) -> float:
     return median(times)
 
 
+def streaming_gb_per_s(threads: int, numel: int = 1 << 25, reps: int = 5) -> float:
+    """The host's in-place streaming bandwidth at ``threads`` (x.add_(y): 12 B an element),
+    the ceiling for a memory-bound update."""
+    torch.set_num_threads(threads)
+    x, y = torch.randn(numel), torch.randn(numel)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        x.add_(y, alpha=1e-9)
+        times.append(time.perf_counter() - t0)
+    return 12 * numel / median(times[1:]) / 1e9
+
+
 def thread_counts(spec: str) -> list[int]:
     cores = available_cores()
     return [int(x) for x in spec.split(",")] if spec else sorted({1, max(1, cores // 2), cores})
@@ -88,14 +102,17 @@ def engines(a) -> dict:
     counts = thread_counts(a.threads)
     params = bert_layer(a.hidden).numel * a.layers
     seconds = {k: step_seconds(k, a.layers, a.hidden, a.reps) for k in counts}
+    stream = {k: streaming_gb_per_s(k) for k in counts}
+    gbs = {k: BYTES_PER_PARAM * params / s / 1e9 for k, s in seconds.items()}
     base = seconds[counts[0]]
-    rows = [[k, s, BYTES_PER_PARAM * params / s / 1e9, base / s] for k, s in seconds.items()]
+    rows = [[k, s, gbs[k], base / s, stream[k], gbs[k] / stream[k]] for k, s in seconds.items()]
     return {"table": table(f"engines: one step of {a.layers} BERT layers (H={a.hidden}, "
                            f"{params / 1e6:.0f}M params) through the EPS's engines, "
-                           f"{available_cores()} cores", ["threads", "seconds", "GB/s",
-                                                          f"speed-up vs {counts[0]}"], rows),
-            "step_seconds": seconds, "params": params,
-            "gb_per_s": {k: BYTES_PER_PARAM * params / s / 1e9 for k, s in seconds.items()},
+                           f"{available_cores()} cores",
+                           ["threads", "seconds", "GB/s", f"speed-up vs {counts[0]}",
+                            "streaming GB/s", "of streaming"], rows),
+            "step_seconds": seconds, "params": params, "gb_per_s": gbs,
+            "streaming_gb_per_s": stream,
             "targets": [check(f"speed at {counts[-1]} threads / at {counts[0]}: no slower",
                               base / seconds[counts[-1]], ">=", 0.95)] if len(counts) > 1
             else []}
