@@ -47,6 +47,18 @@ def test_l2l_equals_plain_pytorch(cluster, tmp_path, model, workers, transport):
     assert_close(got, want)
 
 
+def test_the_eps_threads_do_not_change_a_bit(cluster, tmp_path):
+    """Three EPS threads (three engines sharing them, each job's share re-taken between the
+    optimizer's chunks) end with the weights of one, bit for bit, with per-layer clipping:
+    with one worker no order of additions can differ."""
+    common = ("--clip-norm", "0.5")
+    a = l2l(cluster, tmp_path, model="bert", workers=1, micro_batches=2,
+            server=(*common, "--server-threads", "3"))
+    cluster.close()
+    b = l2l(cluster, tmp_path, model="bert", workers=1, micro_batches=2, server=common)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_split_does_not_matter(cluster, tmp_path):
     """2 workers x 2 micro-batches end where 1 worker x 4 micro-batches does, and where plain
     training does; and SGD with momentum is served as well."""
