@@ -266,7 +266,7 @@ def test_the_eps_gets_the_cores_its_workers_leave(monkeypatch):
     assert threads("--workers", "8", "--threads", "4") == 1
     assert threads("--workers", "2", "--server-threads", "3") == 3
     assert ServerConfig().threads == 0
-    assert ServerConfig().math_threads == available_cores() == len(os.sched_getaffinity(0))
+    assert ServerConfig().math_threads == available_cores() >= 1
     assert ServerConfig(threads=5).math_threads == 5
 
 
