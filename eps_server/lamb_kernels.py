@@ -9,8 +9,10 @@ and composing it from eager ops costs a dozen passes over memory (~6x AdamW's ti
 So an update moves 40 B/param (AdamW: 28). Loops run over whole contiguous slices (numba
 vectorises those, not index ranges it cannot prove non-negative) with the numpy error model;
 the fast-math flags only allow reassociation and reciprocal multiplication, never assume
-finite values. Sums are fp32 within blocks of BLOCK elements and float64 across blocks.
-``nogil`` lets the EPS's math threads update layers in parallel.
+finite values. Sums are fp32 within blocks of BLOCK elements (each block's sum kept), then
+float64 across a tensor's blocks in order (``norms``), so a layer cut into segments at block
+boundaries, run on several threads, gives the same bits as one. ``nogil`` lets threads run
+the kernels in parallel: the EPS's engines, and the pieces of one layer (optimizers.py).
 """
 
 from __future__ import annotations
@@ -49,33 +51,67 @@ def _apply_one(x, r, step):
         x[i] = x[i] - step * r[i]
 
 
-def _moments(x, g, m, v, r, starts, ends, wd, b1, b2, bc1, bc2, eps, inv_scale, x_sq, r_sq):
-    for t in range(starts.shape[0]):
+def _moments(x, g, m, v, r, starts, ends, wd, first, b1, b2, bc1, bc2, eps, inv_scale, bx, br):
+    """Segments [starts[s], ends[s]) with weight decay wd[s]; the sums of segment s's blocks
+    go to bx, br from index first[s] on."""
+    for s in range(starts.shape[0]):
+        j = first[s]
+        for lo in range(starts[s], ends[s], BLOCK):
+            hi = min(ends[s], lo + BLOCK)
+            bx[j], br[j] = _moments_block(x[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], r[lo:hi],
+                                          wd[s], b1, b2, bc1, bc2, eps, inv_scale)
+            j += 1
+
+
+def _norms(bx, br, first, count, x_sq, r_sq):
+    """Per tensor t: its count[t] block sums from first[t] on, added in order in float64."""
+    for t in range(first.shape[0]):
         sx = 0.0
         sr = 0.0
-        for lo in range(starts[t], ends[t], BLOCK):
-            hi = min(ends[t], lo + BLOCK)
-            bx, br = _moments_block(x[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], r[lo:hi], wd[t],
-                                    b1, b2, bc1, bc2, eps, inv_scale)
-            sx += bx
-            sr += br
+        for j in range(first[t], first[t] + count[t]):
+            sx += bx[j]
+            sr += br[j]
         x_sq[t] = sx
         r_sq[t] = sr
 
 
 def _apply(x, r, starts, ends, step):
-    for t in range(starts.shape[0]):
-        s, e = starts[t], ends[t]
-        _apply_one(x[s:e], r[s:e], step[t])
+    for s in range(starts.shape[0]):
+        _apply_one(x[starts[s]:ends[s]], r[starts[s]:ends[s]], step[s])
 
 
 if numba is not None:
     _jit = numba.njit(nogil=True, fastmath=FASTMATH, error_model="numpy", cache=False)
     _moments_block, _apply_one = _jit(_moments_block), _jit(_apply_one)
-    moments, apply = _jit(_moments), _jit(_apply)
+    moments, norms, apply = _jit(_moments), _jit(_norms), _jit(_apply)
 else:
-    moments = apply = None
+    moments = norms = apply = None
 
 
 def available() -> bool:
     return numba is not None
+
+
+def blocks(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first block index, block count) of each tensor, its blocks numbered across the layer."""
+    count = (ends - starts + BLOCK - 1) // BLOCK
+    return np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64), count
+
+
+def split(starts: np.ndarray, ends: np.ndarray, k: int) -> list[tuple[np.ndarray, ...]]:
+    """The layer's blocks cut into at most k pieces of about as many blocks each, every piece
+    a set of segments (starts, ends, tensor, first block), cut only at block boundaries."""
+    first, count = blocks(starts, ends)
+    total = int(count.sum())
+    bounds = [total * i // k for i in range(k + 1)]
+    pieces = []
+    for b0, b1 in zip(bounds[:-1], bounds[1:]):
+        segs = []
+        for t in range(len(starts)):
+            lo, hi = max(b0, int(first[t])), min(b1, int(first[t] + count[t]))
+            if lo < hi:
+                s = int(starts[t]) + (lo - int(first[t])) * BLOCK
+                segs.append((s, min(int(ends[t]), s + (hi - lo) * BLOCK), t, lo))
+        if segs:
+            pieces.append(tuple(np.array(c, dtype=np.int64) for c in zip(*segs)))
+    return pieces

@@ -18,13 +18,14 @@ change never mixes old and new values within one), and refresh the compute copy:
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from protocol.tensors import LayerPlan, views
 
-from .config import OptimizerConfig
+from .config import OptimizerConfig, available_cores
 from .threads import rebalance
 
 # Elements per fused call when a compute copy is written: p, g, m, v of a chunk (4 MiB) are
@@ -106,7 +107,8 @@ class Lamb(LayerOptimizer):
     """LAMB (You et al., 2020, Algorithm 2): Adam's bias-corrected direction plus decoupled
     weight decay, scaled per tensor by the trust ratio ||x|| / ||r|| (1 where a norm is 0; the
     ratio applies to every tensor, weight decay only to the "decay" group). Two compiled
-    passes per layer (lamb_kernels); torch ops when numba is missing or off the CPU."""
+    passes per layer (lamb_kernels), each cut in pieces over the threads of the engine's
+    share; torch ops when numba is missing or off the CPU."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -115,6 +117,7 @@ class Lamb(LayerOptimizer):
         self.starts = np.array([s.offset for s in self.plan.tensors], dtype=np.int64)
         self.ends = self.starts + np.array([s.numel for s in self.plan.tensors], dtype=np.int64)
         self.decays = np.array([s.group == "decay" for s in self.plan.tensors])
+        self._pieces: dict[int, list] = {}  # the layer cut for k threads
 
     def step(self, t: int, lr: float, grad_scale: float = 1.0,
              cfg: OptimizerConfig | None = None) -> None:
@@ -127,16 +130,32 @@ class Lamb(LayerOptimizer):
         n = float(self.steps)
         bc1, bc2 = f(1 - c.beta1 ** n), f(1 - c.beta2 ** n)
         wd = np.where(self.decays, c.weight_decay, 0.0).astype(f)
-        x, m, v = self.master.numpy(), self.exp_avg.numpy(), self.exp_avg_sq.numpy()
+        x, g = self.master.numpy(), self.grad.numpy()
+        m, v = self.exp_avg.numpy(), self.exp_avg_sq.numpy()
         r = _scratch(x.shape[0])
+        first, count = lamb_kernels.blocks(self.starts, self.ends)
+        bx, br = (np.empty(int(count.sum()), dtype=f) for _ in range(2))
+        _in_pieces(self._cut(), lambda s, e, t, b: lamb_kernels.moments(
+            x, g, m, v, r, s, e, wd[t], b, f(c.beta1), f(c.beta2), bc1, bc2, f(c.eps),
+            f(1 / grad_scale), bx, br))
         x_sq, r_sq = np.zeros(len(wd)), np.zeros(len(wd))
-        lamb_kernels.moments(x, self.grad.numpy(), m, v, r, self.starts, self.ends, wd,
-                             f(c.beta1), f(c.beta2), bc1, bc2, f(c.eps), f(1 / grad_scale),
-                             x_sq, r_sq)
+        lamb_kernels.norms(bx, br, first, count, x_sq, r_sq)
         x_norm, r_norm = np.sqrt(x_sq), np.sqrt(r_sq)
         ratio = np.where((x_norm > 0) & (r_norm > 0), x_norm / np.maximum(r_norm, 1e-300), 1.0)
-        lamb_kernels.apply(x, r, self.starts, self.ends, (lr * ratio).astype(f))
+        step = (lr * ratio).astype(f)
+        _in_pieces(self._cut(), lambda s, e, t, b: lamb_kernels.apply(x, r, s, e, step[t]))
         self.publish()
+
+    def _cut(self) -> list:
+        """The layer in pieces for the threads this engine's share holds now (one piece per
+        MIN_PIECE elements at most); the same bits whatever the cut (lamb_kernels)."""
+        from . import lamb_kernels
+
+        rebalance()
+        k = max(1, min(torch.get_num_threads(), self.plan.numel // MIN_PIECE))
+        if k not in self._pieces:
+            self._pieces[k] = lamb_kernels.split(self.starts, self.ends, k)
+        return self._pieces[k]
 
     def _step_torch(self, t: int, lr: float, grad_scale: float, c: OptimizerConfig) -> None:
         self.steps += 1
@@ -199,6 +218,26 @@ class Sgd(LayerOptimizer):
 
 
 _local = threading.local()
+
+
+MIN_PIECE = 1 << 18  # elements: below, handing a piece to another thread costs more
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _in_pieces(pieces: list, fn) -> None:
+    """fn(*piece) for every piece: the first on this thread, the others on a shared pool
+    (the kernels release the GIL)."""
+    global _pool
+    if not pieces:  # a layer without elements
+        return
+    if len(pieces) > 1 and _pool is None:
+        with _pool_lock:
+            _pool = _pool or ThreadPoolExecutor(available_cores(), "eps-lamb")
+    rest = [_pool.submit(fn, *p) for p in pieces[1:]]
+    fn(*pieces[0])
+    for fut in rest:
+        fut.result()
 
 
 def _scratch(n: int) -> np.ndarray:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eps_server import lamb_kernels
 from eps_server.config import OptimizerConfig
@@ -117,6 +120,57 @@ def test_lamb_matches_the_paper(kernels, monkeypatch):
     want = lamb_reference(start, seq, cfg.lr, 0.9, 0.999, 1e-6, wd)
     for v, w in zip(views(master, PLAN), want):
         assert torch.allclose(v.double(), w, atol=1e-6, rtol=0), (v.double() - w).abs().max()
+
+
+def test_lamb_in_pieces_on_several_threads_gives_the_same_bits(monkeypatch):
+    """A layer cut at block boundaries (inside tensors too) and run on four threads ends with
+    the bits of one thread: block sums are kept and added in order (lamb_kernels)."""
+    from eps_server import optimizers
+
+    if not lamb_kernels.available():
+        pytest.skip("numba is not installed (the torch fallback is not cut in pieces)")
+    sizes = (10000, 5000, 7, 30000)  # 14 blocks of 4096
+    plan = plan_layout(Manifest(layers=(LayerSpec(name="l", kind="k", tensors=tuple(
+        TensorSpec(name=f"t{i}", shape=(n,), group="decay" if i % 2 else "no_decay")
+        for i, n in enumerate(sizes))),))).layers[0]
+    cfg = OptimizerConfig(name="lamb", lr=1e-2, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    start = torch.randn(plan.numel, generator=g) * 0.1
+    grads = [torch.randn(plan.numel, generator=g) * 1e-2 for _ in range(3)]
+    monkeypatch.setattr(optimizers, "MIN_PIECE", 1000)
+    before, runs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            grad = torch.zeros(plan.numel)
+            opt = make_optimizer(plan, start.clone(), grad, None, cfg)
+            for t, gr in enumerate(grads):
+                grad.copy_(gr)
+                opt.step(t, lr=cfg.lr)
+            runs.append((opt.master, opt.exp_avg, opt.exp_avg_sq, len(opt._pieces[threads])))
+    finally:
+        torch.set_num_threads(before)
+    (a, am, av, one), (b, bm, bv, four) = runs
+    assert (one, four) == (1, 4)
+    assert torch.equal(a, b) and torch.equal(am, bm) and torch.equal(av, bv)
+    assert not torch.equal(a, start)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20000), min_size=1, max_size=6), k=st.integers(1, 8))
+def test_lamb_pieces_cover_every_element_once_at_block_boundaries(sizes, k):
+    starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+    ends = starts + np.array(sizes, dtype=np.int64)
+    first, count = lamb_kernels.blocks(starts, ends)
+    pieces = lamb_kernels.split(starts, ends, k)
+    assert len(pieces) <= k
+    covered = np.zeros(int(ends[-1]), dtype=np.int64)
+    for seg_starts, seg_ends, tensor, block in pieces:
+        for s, e, t, b in zip(seg_starts, seg_ends, tensor, block):
+            assert starts[t] <= s < e <= ends[t]
+            assert s - starts[t] == (b - first[t]) * lamb_kernels.BLOCK
+            covered[s:e] += 1
+    assert (covered == 1).all()
 
 
 @pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
