@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -161,6 +162,30 @@ def test_markov_task_walks_with_the_chains_probabilities():
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / visits[seen]).sqrt() + 1e-9).all()
     again = task.micro_batch(0, 3, 16, 16.0).inputs  # a pure function of (step, index)
     assert torch.equal(again, seq[48:])
+
+
+def test_the_compiled_markov_walk_takes_the_same_steps(monkeypatch):
+    """A large micro-batch's walk is compiled (numba): the same tokens as numpy's walk, on
+    draws that include values equal to a cumulative bound (the comparison's edge)."""
+    from worker.data import synthetic
+
+    compiled = synthetic.compiled_walk()
+    if compiled is None:
+        pytest.skip("numba is not installed")
+    task = MarkovTask(cfg("gpt", vocab=64, seq_len=257))
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 64, 32)
+    draws = rng.random((256, 32, 1)).astype(np.float32)
+    draws[::7, ::3, 0] = task._bounds[rng.integers(0, 64, (37, 11)), 1]  # ties
+    a, b = np.empty((257, 32), np.int64), np.empty((257, 32), np.int64)
+    synthetic.numpy_walk(first, draws, task._succ, task._bounds, a)
+    compiled(first, draws, task._succ, task._bounds, b)
+    assert np.array_equal(a, b)
+    small = task.micro_batch(2, 1, 16, 1.0).inputs  # 16 x 257 < COMPILED_WALK: numpy
+    monkeypatch.setattr(synthetic, "COMPILED_WALK", 1)
+    assert torch.equal(task.micro_batch(2, 1, 16, 1.0).inputs, small)
+    monkeypatch.setattr(synthetic, "numpy_walk", None)  # the compiled walk alone
+    assert torch.equal(task.micro_batch(2, 1, 16, 1.0).inputs, small)
 
 
 def test_markov_task_entropy_rate_and_successors():
