@@ -87,6 +87,49 @@ def test_a_base_model_checkpoint_gets_a_new_classifier(tmp_path):
                        base.embeddings.word_embeddings.weight)
 
 
+def test_a_checkpoint_of_another_head_gives_its_base_model_only(tmp_path, caplog):
+    """A token classifier's head has a sequence classifier's names and shapes but is not one:
+    it is not read (a new head is initialised), and a decoder's token classifier trains as a
+    causal LM (the warning says what it trains); without --classes a non-classifier BERT is refused,
+    naming its class."""
+    import transformers as tf
+
+    from protocol.tensors import plan_layout
+
+    bert = tmp_path / "bert-tok"
+    tf.BertForTokenClassification(tf.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3)).save_pretrained(bert)
+    fx.tokenizer(bert, "bert")
+    with pytest.raises(ValueError, match="BertForTokenClassification, not a sequence "
+                                         "classifier.*give --classes"):
+        build_model(ModelConfig(model=f"hf:{bert}", seq_len=SEQ))
+    model = build_model(ModelConfig(model=f"hf:{bert}", seq_len=SEQ, classes=3))
+    assert "trained as a BertForSequenceClassification" in caplog.text
+    plans = plan_layout(model.manifest()).layers
+    ref = tf.BertForTokenClassification.from_pretrained(str(bert))
+    head = model.loader().load(plans[-1])
+    assert head["classifier.weight"].shape == ref.classifier.weight.shape
+    assert not torch.equal(head["classifier.weight"], ref.classifier.weight)
+    assert torch.equal(model.loader().load(plans[1])["layer.attention.self.query.weight"],
+                       ref.bert.encoder.layer[0].attention.self.query.weight)
+
+    llama = fx.model_dir(tmp_path / "llama", "llama")
+    cfg = tf.AutoConfig.from_pretrained(llama)
+    tf.LlamaForTokenClassification(cfg).save_pretrained(llama)
+    caplog.clear()
+    assert build_model(ModelConfig(model=f"hf:{llama}", seq_len=SEQ)).objective == "lm"
+    assert "is a LlamaForTokenClassification: trained as a LlamaForCausalLM" in caplog.text
+
+
+def test_a_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no such directory"):
+        build_model(ModelConfig(model=f"hf:{tmp_path / 'nothing'}"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        build_model(ModelConfig(model=f"hf:{tmp_path / 'empty'}"))
+
+
 def test_export_loads_with_from_pretrained(tmp_path):
     """hf -> l2l -> hf with zero steps is bitwise identical; after training, the exported
     directory's logits equal those of the trained weights."""
@@ -179,8 +222,10 @@ def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         build_model(ModelConfig(model=f"hf:{path}"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a Hugging Face config"):
-        build_model(ModelConfig(model=f"hf:{tmp_path / 'nothing'}"))
+        build_model(ModelConfig(model=f"hf:{tmp_path / 'bad'}"))
     # RoBERTa's positions start after its padding index (0 here): 63 of its 64 are usable
     roberta = fx.model_dir(tmp_path / "roberta", "roberta")
     assert build_model(ModelConfig(model=f"hf:{roberta}", seq_len=63))

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
+import os
 
 from ..base import LayeredModel
 from . import families
 from .checkpoint import HfCheckpoint, export
+
+log = logging.getLogger("l2l_worker")
 
 PREFIX = "hf:"
 
@@ -29,6 +33,14 @@ def load_config(path: str):
         from transformers import AutoConfig
     except ImportError:
         raise ValueError("--model hf:... needs transformers: pip install -e '.[hf]'") from None
+    # Nothing is downloaded: without this the library takes a missing directory for a hub
+    # name and says it could not reach the hub.
+    if not os.path.isdir(path):
+        raise ValueError(f"--model hf:{path}: no such directory (a local save_pretrained "
+                         "directory: config.json, weights, tokenizer files)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--model hf:{path}: no config.json in it (a save_pretrained "
+                         "directory is expected)")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -46,6 +58,14 @@ class HfModel(LayeredModel):
         self.family = families.family_of(self.config, cfg.classes)
         self.objective = self.family.objective
         c = self.config
+        # A checkpoint of another class (a masked LM, a token classifier, ...) gives its base
+        # model; its head, even under the same names, is not this class's and is not read.
+        source = (c.architectures or [None])[0]
+        trained = families.hf_class(c, self.family)
+        self.reads_head = source in (None, trained)
+        if not self.reads_head:
+            log.warning("%s is a %s: trained as a %s from its base model (its own head is not "
+                        "read)", self.path, source, trained)
         if self.objective == "classify":
             self._labels(cfg.classes)
         if self.family is families.DECODER_CLASSIFIER and c.pad_token_id is None:
@@ -78,8 +98,9 @@ class HfModel(LayeredModel):
                                  f"--classes says {classes}")
             return
         if classes < 2:
-            raise ValueError("a base-model checkpoint gets a new classifier: give --classes "
-                             "(2 or more)")
+            source = (c.architectures or ["a base-model checkpoint"])[0]
+            raise ValueError(f"{self.path} is {source}, not a sequence classifier: it gets a "
+                             "new classifier head, give --classes (2 or more)")
         c.num_labels = classes
 
     def _pad_id(self) -> int | None:

@@ -72,9 +72,10 @@ class HfCheckpoint:
         gen = torch.Generator().manual_seed(derive_seed(self.model.cfg.seed, "init", plan.index))
         for slot in plan.tensors:
             name = self.model.family.hf_name(plan.name, slot.name)
-            t = self._get(name)
+            foreign = not self.model.reads_head and name.startswith(self.model.family.head)
+            t = None if foreign else self._get(name)
             if t is None:
-                if not name.startswith(self.model.family.new_head):
+                if not foreign and not name.startswith(self.model.family.new_head):
                     raise ValueError(f"{self.path} has no tensor {name!r} (nor a legacy name "
                                      "of it); only a new head may be missing")
                 t = _fresh(slot.shape, self.model.config.initializer_range, gen)

@@ -26,6 +26,7 @@ class Family:
     base_prefix: str  # how the class names its base model (a base-model checkpoint omits it)
     prefixes: dict  # stage kind group ("pre", "block", "post") -> [(stage prefix, hf prefix)]
     new_head: tuple[str, ...]  # checkpoint names a base-model checkpoint may lack (a new head)
+    head: tuple[str, ...]  # the class's own head: read only from a checkpoint of this class
 
     def hf_name(self, layer: str, tensor: str) -> str:
         group, i = ("block", layer.split(".")[1]) if layer.startswith("blocks.") else (layer, "")
@@ -84,32 +85,36 @@ BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
     "pre": [("embeddings.", "bert.embeddings.")],
     "block": [("layer.", "bert.encoder.layer.{i}.")],
     "post": [("pooler.", "bert.pooler."), ("classifier.", "classifier.")]},
-              ("classifier.", "bert.pooler."))  # a masked LM's checkpoint has no pooler
+              ("classifier.", "bert.pooler."),  # a masked LM's checkpoint has no pooler
+              ("classifier.",))
 
 # RoBERTa's sequence classifier has no pooler: its head reads the first token
 ROBERTA = Family(("roberta", "xlm-roberta"), "ForSequenceClassification", "classify",
                  "roberta.", {
                      "pre": [("embeddings.", "roberta.embeddings.")],
                      "block": [("layer.", "roberta.encoder.layer.{i}.")],
-                     "post": [("classifier.", "classifier.")]}, ("classifier.",))
+                     "post": [("classifier.", "classifier.")]}, ("classifier.",),
+                 ("classifier.",))
 
 GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
     "pre": [("wte.", "transformer.wte."), ("wpe.", "transformer.wpe.")],
     "block": [("block.", "transformer.h.{i}.")],
-    "post": [("ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
+    "post": [("ln_f.", "transformer.ln_f."), ("lm_head.", "lm_head.")]}, ("lm_head.",),
+              ())  # its LM head is the token embedding
 
 DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
                   "gemma2", "granite"), "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
-    "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",))
+    "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",),
+                 ("lm_head.",))
 
 # A decoder as a sequence classifier (the library's GenericForSequenceClassification): the
 # final norm, then a "score" projection of the last real token
 DECODER_CLASSIFIER = Family(DECODER.model_types, "ForSequenceClassification", "classify",
                             "model.", {**DECODER.prefixes,
                                        "post": [("norm.", "model.norm."), ("score.", "score.")]},
-                            ("score.",))
+                            ("score.",), ("score.",))
 
 FAMILIES = {t: f for f in (BERT, ROBERTA, GPT2, DECODER) for t in f.model_types}
 
