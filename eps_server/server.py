@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import codec, curve
-from protocol.endpoints import check_bind, remove_ipc
+from protocol.endpoints import IpcClaim, check_bind
 from protocol.events import EventWriter, PeerLost, Ready, ServerStats
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
 from protocol.shm import RunLock, remove_orphans
@@ -53,6 +53,7 @@ class EpsServer:
         self.lobby = Lobby(cfg, self.run_id, **self._core_kw)
         self._lobby = asyncio.Lock()
         self._lock: RunLock | None = None
+        self._claim: IpcClaim | None = None  # the ipc socket file, ours while we serve
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
@@ -95,13 +96,17 @@ class EpsServer:
         if self.cfg.curve_secret_key:
             self._auth = curve.serve(ctx, self.sock, self.cfg.curve_secret_key,
                                      self.cfg.curve_clients)
-        remove_ipc(self.cfg.endpoint)  # a stale socket file from a killed server
-        self.sock.bind(self.cfg.endpoint)
+        self._claim = IpcClaim(self.cfg.endpoint)
+        try:
+            self.sock.bind(self.cfg.endpoint)
+        except zmq.ZMQError as e:  # a port in use, an address not on this machine
+            raise OSError(f"cannot listen on {self.cfg.endpoint}: {e}") from None
+        endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp port 0: the real one
         if self.cfg.metrics_port:
             self._metrics = metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host,
                                           self.cfg.insecure, self.stats, lambda: self.core)
-        self.events.emit(Ready(endpoint=self.cfg.endpoint, run_id=self.run_id, pid=os.getpid()))
-        log.info("listening on %s (run %s, world size %d, %s, %s updates)", self.cfg.endpoint,
+        self.events.emit(Ready(endpoint=endpoint, run_id=self.run_id, pid=os.getpid()))
+        log.info("listening on %s (run %s, world size %d, %s, %s updates)", endpoint,
                  self.run_id, self.cfg.world_size, self.cfg.precision, self.cfg.update)
         receiver = asyncio.create_task(self._receive())
         watchdog = asyncio.create_task(self._watch_peers())
@@ -123,11 +128,13 @@ class EpsServer:
             if self._metrics is not None:
                 self._metrics.shutdown()
             ctx.term()
-            remove_ipc(self.cfg.endpoint)
+            self._claim.release()  # now that our socket is closed (libzmq unlinks its file)
 
     def close(self) -> dict:
         """Idempotent clean-up, also after an abnormal exit (see _close)."""
         core, self.core = self.core, None
+        if self._claim is not None:
+            self._claim.release()
         return self._close(core)
 
     def _close(self, core: EpsCore | None) -> dict:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import tempfile
@@ -75,10 +76,41 @@ def check_connect(endpoint: str) -> None:
                          "owned by this user with mode 0700")
 
 
-def remove_ipc(endpoint: str) -> None:
-    """Remove an ipc socket file left behind (ZeroMQ does not always unlink it)."""
-    if endpoint.startswith("ipc://"):
+class IpcClaim:
+    """The right to serve an ipc:// socket file, held for a server's life: an exclusive flock
+    on ``<socket>.lock``. Without it a second server would unlink the first's socket and bind
+    its own (ZeroMQ does not refuse), and the first, exiting, would unlink the second's. A
+    socket file whose lock nobody holds was left by a server that is gone and is removed.
+    tcp:// needs no claim: the port is refused to the second server."""
+
+    def __init__(self, endpoint: str):
+        self.path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+        self._fd: int | None = None
+        if self.path is None:
+            return
+        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.unlink(endpoint[len("ipc://"):])
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OSError(f"{endpoint} is served by another eps-server (pid {holder}); stop it "
+                          "or give this one another --endpoint") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        self._unlink()  # a stale socket file from a killed server
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
         except OSError:
             pass
+
+    def release(self) -> None:
+        """Remove the socket file (ZeroMQ does not always unlink it), then let go (idempotent)."""
+        if self._fd is None:
+            return
+        self._unlink()
+        fd, self._fd = self._fd, None
+        os.close(fd)  # the lock goes with it; the lock file stays (removing it would race)

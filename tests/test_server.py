@@ -217,6 +217,57 @@ def test_worker_fails_clearly_when_the_server_is_killed(cluster):
     assert "connection" in cluster.log(w) and "EPS" in cluster.log(w)
 
 
+def test_a_second_server_on_the_same_socket_is_refused(server, client):
+    """ZeroMQ would let a second server unlink the first's socket file and bind its own (and
+    the first, exiting, unlink the second's): it is refused, naming the holder; once the first
+    is gone the socket is free again, the killed server's file and lock notwithstanding."""
+    import subprocess
+    import sys
+
+    from .helpers import ENV
+
+    def second(*extra):
+        return subprocess.run([sys.executable, "-m", "eps_server", "--endpoint",
+                               server.endpoint, "--world-size", "1", "--server-threads", "1",
+                               *extra], env=ENV, capture_output=True, text=True, timeout=60)
+
+    bootstrap(client)
+    out = second()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"served by another eps-server (pid {server.server.pid})" in out.stderr
+    assert client.status().versions == (0, 0, 0)  # the first still serves, on its socket
+    os.killpg(server.server.pid, signal.SIGKILL)
+    server.server.wait()
+    assert os.path.exists(server.endpoint[len("ipc://"):])  # left by the killed server
+    again = server.spawn([sys.executable, "-m", "eps_server", "--endpoint", server.endpoint,
+                          "--world-size", "1", "--server-threads", "1"], "eps-again")
+    deadline = time.monotonic() + 60
+    while "listening on" not in server.log(again):
+        assert again.poll() is None and time.monotonic() < deadline, server.log(again)
+        time.sleep(0.1)
+    again.terminate()
+    assert again.wait(30) == 0
+
+
+def test_a_port_in_use_is_a_clear_error(cluster):
+    import socket
+    import subprocess
+    import sys
+
+    from .helpers import ENV
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "eps_server", "--endpoint",
+                              f"tcp://127.0.0.1:{port}", "--world-size", "1",
+                              "--server-threads", "1"], env=ENV, capture_output=True,
+                             text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot listen on tcp://127.0.0.1:{port}" in out.stderr
+
+
 def test_client_reports_disconnect(server, client):
     bootstrap(client)
     os.killpg(server.server.pid, signal.SIGKILL)
