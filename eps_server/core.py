@@ -166,6 +166,10 @@ class EpsCore:
         lost, self._lost = self._lost, []
         return lost
 
+    def excuse(self, seconds: float) -> None:
+        """The server did not run for ``seconds``: no peer is blamed for that silence."""
+        self.peers.excuse(seconds)
+
     def _expire(self) -> None:
         for peer, why in self.peers.expire():
             try:

@@ -80,6 +80,13 @@ class Peers:
         if peer is not None:
             peer.last_seen = self.clock()
 
+    def excuse(self, seconds: float) -> None:
+        """The EPS itself did not run for ``seconds`` (stopped, paused, starved): what peers
+        sent meanwhile is still unread, so that time does not count as their silence."""
+        now = self.clock()
+        for p in self._by_identity.values():
+            p.last_seen = min(now, p.last_seen + seconds)
+
     def snapshot(self) -> list[Peer]:
         """The registered peers (safe from another thread: one C-level copy)."""
         return list(self._by_identity.values())

@@ -164,11 +164,19 @@ class EpsServer:
     async def _watch_peers(self) -> None:
         """Declare silent peers dead, a few times per heartbeat timeout; the launcher hears of
         each lost worker (it may stop a hung one and start a replacement)."""
+        interval = min(1.0, self.cfg.heartbeat_timeout / 4)
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(min(1.0, self.cfg.heartbeat_timeout / 4))
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            late, last = now - last - interval, now
             if self.core is None:
                 continue
             try:
+                if late > interval:  # the EPS did not run (SIGSTOP, a paused VM, swapping):
+                    log.warning("the EPS did not run for %.1f s; peers are not blamed for that "
+                                "silence", late)  # their messages wait unread in the socket
+                    self.core.excuse(late)
                 for peer in self.core.expire():
                     if peer.worker:
                         self.events.emit(PeerLost(rank=peer.rank, pid=peer.pid, silent=round(

@@ -428,6 +428,22 @@ def test_fp16_overflow_skips_and_halves_the_scale(make, update):
     assert s.skipped_updates == (3 if update == "deferred" else 1)
 
 
+def test_the_time_the_eps_did_not_run_is_no_peers_silence(make):
+    """Stopped for 20 s, the EPS has its peers' heartbeats still unread: they are excused
+    that time, and declared dead only after a timeout's silence beyond it."""
+    h = make(2, heartbeat_timeout=10.0)
+    h.bootstrap()
+    h.now = 5.0
+    for rank in (0, 1):
+        h.send(rank, Heartbeat(req_id=20 + rank))
+    h.now = 30.0
+    h.core.excuse(20.0)  # as the server's watch finds it late by 20 s
+    assert h.core.expire() == []
+    h.send(0, Heartbeat(req_id=22))
+    h.now = 35.5  # rank 1: 10.5 s of silence beyond the excused time
+    assert [p.rank for p in h.core.expire()] == [1]
+
+
 def test_a_live_rank_is_kept_and_a_silent_one_declared_dead(make):
     h = make(2, heartbeat_timeout=10.0)
     h.bootstrap()

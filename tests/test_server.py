@@ -397,3 +397,24 @@ def test_a_worker_waiting_for_the_eps_is_not_stalled(beating):
     with pytest.raises(TimeoutError):
         w.wait(fut, timeout=3.0)  # 3x the stall timeout
     assert ctl.status().ranks == (0,)
+
+
+
+def test_a_stopped_eps_resumed_does_not_declare_its_workers_dead(cluster, beating):
+    """SIGSTOP the EPS for 4x its heartbeat timeout: the worker's heartbeats wait unread in
+    its socket, and on SIGCONT it excuses the time it did not run instead of dropping it."""
+    w, ctl = beating
+    import threading
+
+    fut = w.fetch(0, 1)  # waited for below (a version nobody makes): its heartbeats go on
+    resume = threading.Timer(2.0, os.kill, (cluster.server.pid, signal.SIGCONT))
+    os.kill(cluster.server.pid, signal.SIGSTOP)
+    resume.start()
+    try:
+        with pytest.raises(TimeoutError):
+            w.wait(fut, timeout=3.5)  # 1.5 s (3 heartbeat timeouts) after it resumed
+    finally:
+        resume.join()
+        os.kill(cluster.server.pid, signal.SIGCONT)
+    assert ctl.status().ranks == (0,)
+    assert "peers are not blamed" in cluster.log(cluster.server)
