@@ -19,6 +19,10 @@ from .schedules import lr_at
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+MAX_LR = 100.0
+MAX_STEPS = 2**31 - 1
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig:
     """Per-layer optimizer run by the EPS on the fp32 master."""
@@ -57,16 +61,21 @@ class OptimizerConfig:
         for key, value in asdict(self).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{key} must be finite")
-        if not self.lr >= 0 or not self.weight_decay >= 0 or not self.eps > 0:
-            raise ValueError("lr and weight_decay must be >= 0, eps > 0")
+        # Upper bounds catch typos (lr=1e30 blows the weights up in one update; a warm-up of
+        # 2^62 steps leaves lr at 1e-19 for good), also in l2l-ctl set on a running job.
+        if not 0 <= self.lr <= MAX_LR or not 0 <= self.weight_decay <= MAX_LR or \
+                not 0 < self.eps <= 1:
+            raise ValueError(f"lr and weight_decay must be in [0, {MAX_LR:g}], eps in (0, 1]")
+        if not 0 <= self.warmup_steps <= MAX_STEPS or not 0 <= self.total_steps <= MAX_STEPS:
+            raise ValueError(f"warmup_steps and total_steps must be in [0, {MAX_STEPS}]")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.momentum < 1):
             raise ValueError("beta1, beta2 and momentum must be in [0, 1)")
         if self.schedule not in ("constant", "linear", "cosine"):
             raise ValueError("schedule must be constant, linear or cosine")
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ValueError("a decaying schedule needs total_steps > warmup_steps")
-        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or not self.clip_norm >= 0:
-            raise ValueError("warmup_steps >= 0, min_lr_ratio in [0, 1], clip_norm >= 0")
+        if not 0 <= self.min_lr_ratio <= 1 or not self.clip_norm >= 0:
+            raise ValueError("min_lr_ratio must be in [0, 1], clip_norm >= 0")
 
     def lr_at(self, t: int) -> float:
         """Learning rate of update t."""

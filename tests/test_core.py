@@ -407,6 +407,11 @@ def test_set_hyper_applies_from_the_next_update(make):
     assert torch.allclose(h.master(1, 1)[:32], torch.full((32,), 0.75))
     h.send(0, SetHyper(req_id=13, changes={"name": "adamw"}))
     assert error(h.take(0, 13)).field == "changes"
+    for req, typo in enumerate(({"lr": 1e30}, {"warmup_steps": 2**62}), start=14):
+        h.send(0, SetHyper(req_id=req, changes=typo))  # refused: a typo, not a setting
+        assert "must be in [0, " in error(h.take(0, req)).message
+    h.send(0, SetHyper(req_id=16, changes={"clip_norm": 0.0}))  # unchanged by the refusals
+    assert h.take(0, 16).msg.optimizer["lr"] == 0.25
 
 
 @pytest.mark.parametrize("update", ["eager", "deferred"])
