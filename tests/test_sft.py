@@ -112,6 +112,11 @@ def test_a_prompt_longer_than_the_sequence_trains_nothing(tmp_path, caplog):
         t = task(model, path)
     assert "1 of 2 samples (the first at line 1) keep no target token" in caplog.text
     assert t.targets.tolist() == [0, 3]
+    assert "a step takes 8 samples (every worker's micro-batches), the data holds 2" in \
+        caplog.text  # 4 x 2 of 2 samples
+    none = jsonl(tmp_path / "none.jsonl", [{"prompt": long, "completion": "bad"}])
+    with pytest.raises(DataError, match="no sample keeps a token to predict"):
+        task(model, none)  # all loss terms 0: refused, not trained (or evaluated) as loss 0
 
 
 # as Phi-3's: the end-of-text token closes the whole conversation only

@@ -9,6 +9,7 @@ an uninterrupted one. Tasks: the synthetic ``trigger`` and ``markov`` (synthetic
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import partial
 
@@ -30,6 +31,8 @@ from .tokens import Encoded, cached_encode
 __all__ = ["Batch", "DataError", "EvalSet", "MarkovTask", "Sharder", "TextTask", "TriggerTask",
            "build_eval", "build_task"]
 
+log = logging.getLogger("l2l_worker")
+
 SYNTHETIC = {"trigger": TriggerTask, "markov": MarkovTask}
 
 
@@ -45,6 +48,11 @@ def build_task(model: LayeredModel, data: DataConfig | None = None, *,
         if not data.data:
             raise ValueError(f"model {model.cfg.model} trains on text: give --data PATH")
         task = text_task(model, data, data.data, micro_batch_size, global_micro_batches)
+        if micro_batch_size * global_micro_batches > task.n:
+            log.warning("%s: a step takes %d samples (every worker's micro-batches), the data "
+                        "holds %d: each is seen about %.0f times a step", data.data,
+                        micro_batch_size * global_micro_batches, task.n,
+                        micro_batch_size * global_micro_batches / task.n)
     else:
         task = SYNTHETIC[name](model.cfg)
     if task.objective != model.objective:
@@ -108,8 +116,13 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     # A language-model sample needs two tokens (an input and its target).
     enc = cached_encode(path, records, tokenizer, model.path, None if window else cfg.seq_len,
                         options, min_length=2 if objective == "lm" else 1)
-    return TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=model.pad_id(tokenizer),
+    task = TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=model.pad_id(tokenizer),
                     micro_batch_size=size, global_micro_batches=count, window=window)
+    if objective == "lm" and not task.targets.any():  # every loss would be 0 / 0
+        raise DataError(f"{path}: no sample keeps a token to predict within --seq-len "
+                        f"{cfg.seq_len} (prompts or user turns fill it): nothing to train or "
+                        "evaluate on; give a larger --seq-len")
+    return task
 
 
 class Sharder:
