@@ -69,6 +69,7 @@ class UpdateScheduler:
         self._held: list[tuple[int, Any]] = []  # (version, start) waiting for the hold to lift
         self._saves: deque[tuple[str, Any]] = deque()  # (path, ticket), one written at a time
         self._writing = False
+        self._last_saved: dict[str, tuple] = {}  # root -> (step, settings) last written there
         self._last_step = time.perf_counter()
 
     # -- updates -----------------------------------------------------------------------
@@ -193,12 +194,16 @@ class UpdateScheduler:
         path, ticket = self._saves[0]
         target = self._hold_from
         optimizers = [m.optimizer for m in self.engines.layers]
-        write = partial(checkpoint.save, path, self.store, optimizers, self.checkpoint_extra(),
+        extra = self.checkpoint_extra()
+        write = partial(checkpoint.save, path, self.store, optimizers, extra,
                         self.cfg.keep_checkpoints)
-        self.engines.exclusive(Exclusive(write, f"checkpoint {target}", (ticket, path, target)))
+        self.engines.exclusive(Exclusive(write, f"checkpoint {target}",
+                                         (ticket, path, target, extra)))
 
     def _saved(self, done: Done) -> list:
-        ticket, path, target = done.job.ticket
+        ticket, path, target, extra = done.job.ticket
+        if done.error is None:
+            self._last_saved[path] = (target, extra)
         self._saves.popleft()
         self._writing = False
         self._hold_from = None
@@ -220,6 +225,9 @@ class UpdateScheduler:
             log.warning("exiting mid-step (layer versions %d..%d, %d updates pending): not "
                         "saving a mixed state; the last checkpoint stands", min(self.versions),
                         max(self.versions), len(self.pending))
+            return
+        if self._last_saved.get(path) == (self.store.step, self.checkpoint_extra()):
+            log.info("step %d is saved in %s already", self.store.step, path)
             return
         checkpoint.save(path, self.store, [m.optimizer for m in self.engines.layers],
                         self.checkpoint_extra(), self.cfg.keep_checkpoints)

@@ -120,6 +120,14 @@ def test_final_checkpoint_holds_the_last_step(cluster, tmp_path, update):
     assert "mid-step" not in cluster.log(cluster.server)
 
 
+def test_a_step_checkpointed_on_schedule_is_not_written_again_at_exit(cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cluster.run_job(1, *SMALL, "--steps", "2",
+                    server_args=("--server-save", str(ckpt), "--checkpoint-every", "2"))
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000002"]
+    assert "step 2 is saved in" in cluster.log(cluster.server)
+
+
 @pytest.mark.parametrize("model, extra", [
     ("gpt", ("--tie-embeddings", "--transport", "frames", "--copy-weights")),
     ("tests.toy_model:GatedModel", ("--stash", "eps")),
