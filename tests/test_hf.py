@@ -146,6 +146,8 @@ def test_export_loads_with_from_pretrained(tmp_path):
     assert set(a.state_dict()) == set(b.state_dict())
     assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
     assert (tmp_path / "out0" / "tokenizer.json").exists()
+    assert (tmp_path / "out0" / "generation_config.json").read_text() == \
+        (path / "generation_config.json").read_text()  # a chat model's end-of-turn ids
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out0"))("good movie")
 
     data = data_for("gpt2", tmp_path)

@@ -103,7 +103,8 @@ class DataConfig:
     """Evaluation data (same formats): accuracy, or loss and perplexity, after training and
     every --eval-every steps."""
     eval_every: int = 0
-    """Evaluate every N steps (0: only after the last step, when --eval-data is given)."""
+    """With --eval-data: evaluate before training, every N steps and after the last step (0:
+    before and after only)."""
 
     def __post_init__(self) -> None:
         if self.eval_every < 0:

@@ -65,7 +65,8 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.parse(ExportArgs, argv, "l2l-export", __doc__.split("\n")[0])
+    args = cli.parse(ExportArgs, argv, "l2l-export",
+                     " ".join(__doc__.split("\n\n")[0].split()))
     if not args.export.checkpoint or not args.export.out:
         print("l2l-export: --checkpoint and --out are required", file=sys.stderr)
         return 2

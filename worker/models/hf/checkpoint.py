@@ -10,7 +10,7 @@ library initialises a Linear (matrices normal(0, initializer_range), vectors 0),
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model), ``model.safetensors`` with the library's names (a tied tensor once, under
-its owner's name), and the source's tokenizer files.
+its owner's name), and the source's tokenizer files and generation defaults.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from ..base import derive_seed
 
 log = logging.getLogger("l2l_worker")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
-                   "added_tokens.json", "chat_template.jinja")
+# Copied from the source directory on export: the tokenizer, and generation defaults (a chat
+# model's end-of-turn ids: without them generate() does not stop at the end of a turn).
+SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
+                "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
 class HfCheckpoint:
@@ -113,7 +115,7 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
     config.save_pretrained(path)
     named = [(model.family.hf_name(layer, name), t) for (layer, name), t in tensors.items()]
     write_safetensors(os.path.join(path, "model.safetensors"), named, {"format": "pt"})
-    for name in TOKENIZER_FILES:
+    for name in SOURCE_FILES:
         src = os.path.join(model.path, name)
         if os.path.isfile(src):
             shutil.copyfile(src, os.path.join(path, name))
