@@ -2,9 +2,11 @@
 
 - On a terminal: one live progress bar (tqdm): step / total, smoothed loss, accuracy, samples/s,
   ETA, and where the slowest worker's step went (compute, waiting for weights, waiting for push
-  acks). Elsewhere (CI, ``| tee``): one plain line every ``every`` steps, and the last one.
+  acks). Elsewhere (CI, ``| tee``): one plain line every ``every`` steps, and the last one,
+  with that step's own loss.
 - Children's logs go to ``<run dir>/<name>.log`` (eps.log, w0.log, ...). Only their warnings and
-  errors (and tracebacks) reach the console, each line prefixed by its process; ``verbose``
+  errors (whole, with the lines that continue them, and tracebacks) reach the console, each
+  line prefixed by its process; ``verbose``
   shows every line. Launcher messages and evaluations are printed above the bar.
 - ``table`` formats the final summary.
 
@@ -25,6 +27,7 @@ from tqdm import tqdm
 # and the lines of a traceback (shown whole: from "Traceback" to its unindented last line).
 LOUD = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^\S*(Error|Exception)\b|^Fatal Python error")
 TRACEBACK = re.compile(r"^Traceback \(most recent call last\)")
+RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a log record's first line: its time
 SMOOTHING = 0.9  # the bar's loss: an exponential moving average
 
 
@@ -38,6 +41,8 @@ class Console:
         self._lock = threading.Lock()
         self._files: dict[str, TextIO] = {}
         self._traceback: set[str] = set()  # children in the middle of printing a traceback
+        self._loud: set[str] = set()  # children whose last log record is shown (its next
+        #                               lines, until a new record, are the rest of it)
         self._loss: float | None = None
         self._bar: tqdm | None = None
         os.makedirs(log_dir, exist_ok=True)
@@ -55,7 +60,11 @@ class Console:
             f.write(line + "\n")
             if TRACEBACK.match(line):
                 self._traceback.add(name)
-            loud = name in self._traceback or LOUD.search(line)
+            if RECORD.match(line):
+                self._loud.discard(name)
+                if LOUD.search(line):
+                    self._loud.add(name)
+            loud = name in self._traceback or name in self._loud or LOUD.search(line)
             if name in self._traceback and line and not line[0].isspace() and \
                     not TRACEBACK.match(line) and not line.startswith("During handling"):
                 self._traceback.discard(name)  # its last line: "SomeError: ..."
@@ -91,17 +100,17 @@ class Console:
                                                       + (1 - SMOOTHING) * loss)
         rate = row["samples"] / row["seconds"] if row["seconds"] > 0 else 0.0
         with self._lock:
-            if self._bar is not None:
-                self._bar.set_postfix_str(self._fields(row, rate), refresh=False)
+            if self._bar is not None:  # redrawn every step: the smoothed loss
+                self._bar.set_postfix_str(self._fields(row, rate, self._loss), refresh=False)
                 self._bar.update(row["step"] + 1 - self._bar.n)
                 return
-            n = row["step"] + 1
+            n = row["step"] + 1  # a line now and then: the step's own loss, as in the summary
             if n % self.every == 0 or n == self.total or n == 1:
-                print(f"step {n:>5}/{self.total}  {self._fields(row, rate)}", file=self.out,
-                      flush=True)
+                print(f"step {n:>5}/{self.total}  {self._fields(row, rate, loss)}",
+                      file=self.out, flush=True)
 
-    def _fields(self, row: dict, rate: float) -> str:
-        parts = [f"loss {self._loss:.4f}", f"acc {row['accuracy']:.3f}", f"{rate:,.0f} samples/s"]
+    def _fields(self, row: dict, rate: float, loss: float) -> str:
+        parts = [f"loss {loss:.4f}", f"acc {row['accuracy']:.3f}", f"{rate:,.0f} samples/s"]
         if row.get("fetch_wait") is not None and row["seconds"] > 0:
             split = {k: row[k] / row["seconds"] for k in ("compute", "fetch_wait", "push_wait")}
             parts.append(f"compute {split['compute']:.0%} wait weights "

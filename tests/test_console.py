@@ -33,10 +33,11 @@ def test_not_a_terminal_prints_every_n_steps_and_the_last(tmp_path):
     c = Console(12, str(tmp_path), every=5, out=out, tty=False)
     c.start()
     for s in range(12):
-        c.step(row(s))
+        c.step(row(s, loss=s / 8))
     c.close()
     steps = [int(m) for m in re.findall(r"^step +(\d+)/12", out.getvalue(), re.M)]
     assert steps == [1, 5, 10, 12]
+    assert "step    12/12  loss 1.3750" in out.getvalue()  # the step's own loss (11 / 8)
     assert "32 samples/s" in out.getvalue() and "compute 70% wait weights 20% acks 10%" in \
         out.getvalue()
 
@@ -58,8 +59,15 @@ def test_children_logs_go_to_files_and_only_warnings_reach_the_console(tmp_path,
     c.log("eps", "2026-01-01 eps-server INFO step 3 complete\n")
     c.log("w1", "2026-01-01 l2l-worker[1] WARNING rank 1: waiting\n")
     c.log("w1", "Traceback (most recent call last):\n")
+    c.log("w0", "2026-01-01 10:00:00,001 l2l-worker[0] ERROR no tokenizer (tried:\n")
+    c.log("w0", "  (1) tokenizer.json\n")  # the rest of that error record
+    c.log("w0", "2026-01-01 10:00:00,002 l2l-worker[0] INFO bye\n")
+    c.log("w0", "a line of nothing\n")
     c.close()
     err = capsys.readouterr().err
+    assert "[w0] 2026-01-01 10:00:00,001 l2l-worker[0] ERROR no tokenizer (tried:\n" \
+        "[w0]   (1) tokenizer.json\n" in err
+    assert "bye" not in err and "a line of nothing" not in err
     assert "[w1] 2026-01-01 l2l-worker[1] WARNING rank 1: waiting" in err
     assert "[w1] Traceback" in err and "INFO" not in err
     assert (tmp_path / "run" / "eps.log").read_text() == \
