@@ -59,6 +59,21 @@ def build(args: LaunchArgs) -> Launcher:
                     early_workers=args.worker.eps_timeout >= READY_TIMEOUT)
 
 
+BUILT_IN_SHAPE = ("layers", "hidden", "heads", "ffn", "vocab", "tie_embeddings")
+
+
+def model_summary(model, eps: dict | None) -> dict:
+    """The model options, and its parameter count (the EPS's); an hf: model's shape comes from
+    its own config, so the built-in models' shape options are left out, not reported."""
+    out = asdict(model)
+    if model.model.startswith("hf:"):
+        for key in BUILT_IN_SHAPE:
+            out.pop(key)
+    if eps and "params" in eps:
+        out["params"] = eps["params"]
+    return out
+
+
 def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -> dict:
     n = args.launch.workers
     ranks = []
@@ -94,7 +109,7 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
                      "fetches_without_round_trip": w["fetches_without_round_trip"]}
                     for w in ranks],
         "config": cli.to_dict(args),
-        "model": asdict(args.model),
+        "model": model_summary(args.model, launcher.eps_stats),
         "save": os.path.abspath(args.launch.save) if args.launch.save and code == 0 else None,
         "eval": launcher.evals,
         "restarts": [{k: v for k, v in r.items() if not k.startswith("_")}

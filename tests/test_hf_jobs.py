@@ -107,8 +107,14 @@ def test_eval_perplexity_falls_on_a_text_file(tmp_path):
                         "--endpoint", f"ipc://{tmp_path}/eps.sock"],
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    evals = json.loads(summary.read_text())["eval"]
+    s = json.loads(summary.read_text())
+    evals = s["eval"]
     assert [e["step"] for e in evals] == [0, 15, 30]
+    import transformers  # the summary reports the model's own size, not built-in defaults
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    assert s["model"]["params"] == sum(p.numel() for p in hf.parameters())
+    assert "hidden" not in s["model"] and s["model"]["seq_len"] == 32
     assert evals[-1]["perplexity"] < 0.5 * evals[0]["perplexity"], evals
     assert "perplexity" in p.stdout
 
