@@ -46,13 +46,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-server-key", default="", help="CURVE: the EPS's public key file")
     p.add_argument("--curve-key", default="", help="CURVE: this client's secret key file")
     sub = p.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status")
+    st = sub.add_parser("status", help="the job, its workers and its layers")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
-    s = sub.add_parser("set")
+    s = sub.add_parser("set", help="change optimizer settings from the next layer update, "
+                       "e.g. lr=1e-4 clip_norm=1.0")
     s.add_argument("changes", nargs="+", metavar="KEY=VALUE")
-    v = sub.add_parser("save")
+    v = sub.add_parser("save", help="write a checkpoint at the next step boundary")
     v.add_argument("path")
     c = sub.add_parser("cleanup", help="remove this user's shared-memory regions whose "
                        "eps-server is gone (a live server's regions are never touched)")
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         public, secret = curve.generate(a.dir, a.name)
         print(json.dumps({"public": public, "secret": secret}, indent=1))
         return 0
+    sock = a.endpoint[len("ipc://"):] if a.endpoint.startswith("ipc://") else None
+    if sock is not None and not os.path.exists(sock):  # else: 10 s, then "no reply"
+        print(f"l2l-ctl: no eps-server listens on {a.endpoint} (no such socket file); give "
+              "its --endpoint", file=sys.stderr)
+        return 1
     try:
         client = EpsClient(a.endpoint, timeout=a.timeout,
                            curve=curve.client_keys(a.curve_server_key, a.curve_key))

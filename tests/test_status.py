@@ -55,3 +55,11 @@ def test_status_shows_workers_and_layers_of_a_running_job(cluster):
     assert len(polls) >= 3 and polls[-1]["step"] >= polls[0]["step"]
     assert watch.returncode == 0, err
     w.kill()
+
+
+def test_status_of_a_socket_nobody_serves_says_so_at_once(tmp_path):
+    t0 = time.monotonic()
+    p = subprocess.run([*CTL, "--endpoint", f"ipc://{tmp_path}/none.sock", "status"], env=ENV,
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "no eps-server listens on" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 8  # not after the 10 s reply timeout
