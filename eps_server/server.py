@@ -41,6 +41,29 @@ OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are decoded on a thread
 HWM = 1000  # messages queued per peer, each way (> the per-peer pending limit)
 
 
+class Throttled:
+    """Warnings a peer can cause at will (undecodable messages): at most ``burst`` lines per
+    ``window`` s, then a count of those left out (stats.bad_messages counts them all), so a
+    flood of garbage does not flood the log."""
+
+    def __init__(self, burst: int = 10, window: float = 10.0):
+        self.burst, self.window = burst, window
+        self.start, self.count, self.dropped = time.monotonic(), 0, 0
+
+    def warn(self, fmt: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.start > self.window:
+            if self.dropped:
+                log.warning("%d more bad messages in %.0f s not logged", self.dropped,
+                            now - self.start)
+            self.start, self.count, self.dropped = now, 0, 0
+        if self.count < self.burst:
+            self.count += 1
+            log.warning(fmt, *args)
+        else:
+            self.dropped += 1
+
+
 class EpsServer:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -57,6 +80,7 @@ class EpsServer:
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
+        self._bad_log = Throttled()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
@@ -194,7 +218,7 @@ class EpsServer:
                                   else codec.decode(frames))
         except codec.DecodeError as e:
             self.stats.bad_messages += 1
-            log.warning("bad message from %s: %s", identity.hex(), e)
+            self._bad_log.warn("bad message from %s: %s", identity.hex(), e)
             return [Out(identity, decode_error(frames, e))]
         if self.core is not None:
             return self.core.handle(identity, msg, tensor_frames, key)

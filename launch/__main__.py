@@ -90,6 +90,8 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
     accuracy = [p["accuracy"] for p in progress]
     samples = sum(w["samples"] for w in ranks)
     seconds = max((w["seconds"] for w in ranks), default=0.0)
+    if not ranks:  # stopped before the workers wrote their summaries: from the steps' events
+        samples, seconds = sum(p["samples"] for p in progress), sum(p["seconds"] for p in progress)
     return {
         "ok": code == 0, "exit_code": code, "failure": launcher.failure,
         "run_id": launcher.run_id, "world_size": n,

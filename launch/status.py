@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 
 from rich.console import Console, Group
@@ -61,15 +62,19 @@ def show(renderable) -> None:
 
 def watch(client, interval: float, as_json: bool) -> None:
     """Redraw every ``interval`` s until Ctrl-C (``as_json``: one JSON line per poll)."""
+    redraw = not as_json and sys.stdout.isatty()  # else (a file, a pipe): one table a poll
     try:
-        with Live(auto_refresh=False) if not as_json else contextlib.nullcontext() as live:
+        with Live(auto_refresh=False) if redraw else contextlib.nullcontext() as live:
             while True:
                 r = client.status()
                 if as_json:
                     from .ctl import as_json as to_dict
                     print(json.dumps(to_dict(r)), flush=True)
-                else:
+                elif redraw:
                     live.update(render(r), refresh=True)
+                else:
+                    Console().print(render(r))
+                    sys.stdout.flush()
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass

@@ -116,7 +116,8 @@ def _unpack(body: memoryview) -> tuple[Any, dict[str, int]]:
     except DecodeError:
         raise
     except Exception as e:  # msgpack raises several types for malformed input
-        raise DecodeError(f"body is not valid msgpack: {e}", "body", ints.get("req_id", 0),
+        raise DecodeError(f"body is not valid msgpack: {str(e) or type(e).__name__}", "body",
+                          ints.get("req_id", 0),
                           ints.get("protocol_version")) from None
 
 

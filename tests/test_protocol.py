@@ -223,3 +223,12 @@ def test_an_undecodable_body_keeps_its_req_id():
     with pytest.raises(codec.DecodeError) as e:
         codec.decode([b"\x06", b"\xc1"])
     assert e.value.req_id == 0
+
+
+def test_a_body_nested_too_deep_says_why():
+    from protocol import codec
+
+    deep = b"\x81\xa1a" * 1300 + b"\xc0"  # {"a": {"a": ... None}}, 1300 deep (< 4 KiB)
+    with pytest.raises(codec.DecodeError) as e:
+        codec.decode([b"\x06", deep])
+    assert not e.value.args[0].endswith(": "), e.value.args[0]

@@ -201,6 +201,8 @@ def test_malformed_and_hostile_messages_never_crash_the_server(server, client):
     assert status.req_id == 99 and status.stats["bad_messages"] >= 10
     s.close()
     assert client.status().versions == (0, 0, 0)  # the model is intact
+    logged = server.log(server.server).count("bad message from")
+    assert 1 <= logged <= 10, logged  # a flood of garbage is not a flood of log lines
 
 
 def test_worker_fails_clearly_when_the_server_is_killed(cluster):

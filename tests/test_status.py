@@ -54,6 +54,12 @@ def test_status_shows_workers_and_layers_of_a_running_job(cluster):
     polls = [json.loads(line) for line in [first, *out.splitlines()]]
     assert len(polls) >= 3 and polls[-1]["step"] >= polls[0]["step"]
     assert watch.returncode == 0, err
+    tables = subprocess.Popen([*ctl, "--watch", "--interval", "0.2"], env=ENV, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    tables.terminate()  # into a pipe, each poll's table was written out as it came
+    out, err = tables.communicate(timeout=30)
+    assert out.count("last update") >= 2, (out, err)
     w.kill()
 
 
