@@ -71,6 +71,7 @@ class EpsCore:
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)
         self._lost: list[Peer] = []  # declared dead, not yet reported by expire()
+        self._orphans: list[Out] = []  # replies due since a peer was declared dead (poll)
         self.waiting = Waiting(cfg.peer_requests)
         self.initialiser = initialiser  # the rank that sends the initial values
         self.data = DataPlane(cfg, store, self.engines, self.scheduler, self.peers, self.stats,
@@ -111,7 +112,7 @@ class EpsCore:
 
     def poll(self) -> list[Out]:
         """Take in the engines' finished jobs; the replies they made due."""
-        outs: list[Out] = []
+        outs, self._orphans = self._orphans, []
         while True:
             try:
                 done = self._done.get_nowait()
@@ -185,6 +186,24 @@ class EpsCore:
         self.data.board.drop(peer.identity)  # nobody reads those replies
         self.waiting.forget(peer.identity)
         self._lost.append(peer)
+        if peer.worker:
+            self._orphans += self._stranded(peer.rank)
+            if self._orphans:
+                self._wake()  # poll() sends them
+
+    def _stranded(self, rank: int) -> list[Out]:
+        """``rank`` left mid-step and no replacement can redo its part (no previous versions
+        kept, see _hello): the others would wait for it until their timeout, so the server
+        stops, and tells them why."""
+        if self.store.retained_region is not None or self.broken is not None:
+            return []
+        step, pushed = self.data.resume_point(rank)
+        if not pushed and max(self.store.versions) <= step:
+            return []
+        return self._break(f"rank {rank} left in the middle of step {step} ({len(pushed)} "
+                           "of its layers pushed) and this server keeps no previous versions "
+                           "(--recovery), so no replacement can redo its part: the job cannot "
+                           "finish; restart it from its last checkpoint")
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
         peer = self.peers.get(identity)
@@ -356,4 +375,6 @@ class EpsCore:
                                "rank")
         self.peers.leave(identity, msg.done)
         outs = self.data.fail_waiters(identity, "bad_request", f"rank {peer.rank} said Bye")
+        if peer.worker and not msg.done:
+            outs += self._stranded(peer.rank)
         return outs + [Out(identity, Ack(req_id=msg.req_id))]

@@ -243,12 +243,41 @@ def test_without_recovery_a_replacement_that_cannot_redo_exactly_is_refused(make
     h.poll()
     assert isinstance(h.take(1, 5).msg, GradAck)
     h.send(0, Heartbeat(req_id=6))
+    h.send(0, Fetch(req_id=9, layer=2, min_version=1))  # waits for rank 1's part
     h.now = TIMEOUT + 1
     h.send(0, Heartbeat(req_id=7))
     assert [p.rank for p in h.core.expire()] == [1]
+    h.poll()  # rank 0 is not left waiting for a part nobody can send: it is told why
+    assert "no replacement can redo its part" in h.take(0, 9).msg.message
     refused = hello(h, 1, b"new", 8)
-    assert isinstance(refused, Error) and "start it with --recovery" in refused.message
+    assert isinstance(refused, Error) and "--recovery" in refused.message
     assert h.core.peers.ranks() == (0,)  # nothing registered
+
+
+def test_a_rank_that_says_bye_mid_step_without_recovery_tells_the_others(make):
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    h.send(1, _push(0, 2, 1, 5), _frames(0, 2, 1))
+    h.poll()
+    h.send(0, Fetch(req_id=9, layer=2, min_version=1))
+    h.send(1, Bye(req_id=6, rank=1, done=False))  # it failed, and said so
+    assert "rank 1 left in the middle of step 0" in h.take(0, 9).msg.message
+    assert isinstance(h.take(1, 6).msg, Ack)
+
+
+def test_a_rank_that_leaves_between_steps_leaves_no_one_stranded(make):
+    """Without --recovery a rank gone before pushing any of its step can be replaced: the
+    others' Fetches still wait, and the replacement is welcomed."""
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    h.send(0, Fetch(req_id=9, layer=2, min_version=1))
+    h.now = TIMEOUT + 1
+    h.send(0, Heartbeat(req_id=7))
+    assert [p.rank for p in h.core.expire()] == [1]
+    h.poll()
+    assert h.take(0, 9) is None and h.core.broken is None
+    welcome = hello(h, 1, b"new", 8)
+    assert welcome.rejoined and welcome.step == 0
 
 
 def test_resume_points(make):

@@ -420,3 +420,15 @@ def test_a_stopped_eps_resumed_does_not_declare_its_workers_dead(cluster, beatin
         os.kill(cluster.server.pid, signal.SIGCONT)
     assert ctl.status().ranks == (0,)
     assert "peers are not blamed" in cluster.log(cluster.server)
+
+
+def test_a_worker_lost_mid_step_without_recovery_fails_the_others_at_once(cluster):
+    """Rank 1 dies after pushing layers of step 2, and no replacement can redo them (no
+    --recovery): rank 0 is told so and exits, instead of waiting out its 600 s timeout."""
+    cluster.start_server(2)
+    w0 = cluster.worker(0, 2, *SMALL, "--steps", "50")
+    w1 = cluster.worker(1, 2, *SMALL, "--steps", "50", "--fault", "1:2:B1")
+    assert cluster.wait(w1, 120) != 0
+    assert cluster.wait(w0, 60) == 1, cluster.log(w0)
+    assert "no replacement can redo its part" in cluster.log(w0)
+    assert "rank 1 left in the middle of step 2" in cluster.log(cluster.server)
