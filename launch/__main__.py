@@ -24,8 +24,9 @@ from protocol.trace import merge
 
 from .config import LaunchArgs
 from .console import Console, table
-from .launcher import READY_TIMEOUT, Launcher, private_run_dir
+from .launcher import READY_TIMEOUT, Launcher
 from .roles import run_role, server_config, worker_args
+from .rundir import private_run_dir
 
 
 def build(args: LaunchArgs) -> Launcher:

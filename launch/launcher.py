@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -393,8 +392,3 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the child's whole session (it may have children)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def private_run_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="l2l-run-", dir=base)  # mode 0700

@@ -286,3 +286,22 @@ def test_a_cgroup_cpu_quota_limits_the_cores(tmp_path, monkeypatch):
     assert quota("nonsense\n") is None and config.cgroup_cpu_quota(str(tmp_path / "no")) is None
     monkeypatch.setattr(config, "cgroup_cpu_quota", lambda: 1)
     assert config.available_cores() == 1
+
+
+def test_run_directories_of_launchers_that_are_gone_are_removed(tmp_path, monkeypatch):
+    """A killed launcher leaves its private directory; the next one removes it, and only it."""
+    from launch.rundir import PID_FILE, private_run_dir
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid is nobody's now (were it reused, the directory would stay)
+    for name, pid in (("dead", ended.pid), ("live", os.getpid())):
+        d = tmp_path / f"l2l-run-{name}"
+        d.mkdir()
+        (d / "w0.json").write_text("{}")
+        (d / PID_FILE).write_text(str(pid))
+    (tmp_path / "l2l-run-making").mkdir()  # no pid file yet
+    new = private_run_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["l2l-run-live", "l2l-run-making", os.path.basename(new)])
+    assert (tmp_path / os.path.basename(new) / PID_FILE).read_text() == str(os.getpid())
