@@ -148,6 +148,8 @@ def run_worker(args: WorkerArgs) -> dict:
     done = False
     elapsed, peak = 0.0, 0
     try:
+        log.info("saying Hello to the EPS at %s (waiting for it up to %g s)", cfg.endpoint,
+                 cfg.eps_timeout)  # started before it, a worker would otherwise say nothing
         welcome = join(client, cfg.eps_timeout, rank=cfg.rank,
                        world_size=cfg.world_size, manifest=manifest, transport=cfg.transport,
                        grad_dtype=cfg.grad_dtype)
