@@ -152,9 +152,10 @@ class EpsCore:
         self._done.put(done)
         self._wake()
 
-    def _break(self, why: str) -> list[Out]:
-        """An update failed: stop updating; every waiting Fetch gets an internal Error."""
-        log.error("server stopped updating: %s", why)
+    def _break(self, why: str, level: int = logging.ERROR) -> list[Out]:
+        """An update failed (or a worker was lost for good): stop updating; every waiting
+        Fetch gets an internal Error."""
+        log.log(level, "server stopped updating: %s", why)
         self.broken = why
         return self.data.fail_waiters(None, "internal", why)
 
@@ -191,7 +192,7 @@ class EpsCore:
             if self._orphans:
                 self._wake()  # poll() sends them
 
-    def _stranded(self, rank: int) -> list[Out]:
+    def _stranded(self, rank: int, level: int = logging.ERROR) -> list[Out]:
         """``rank`` left mid-step and no replacement can redo its part (no previous versions
         kept, see _hello): the others would wait for it until their timeout, so the server
         stops, and tells them why."""
@@ -203,7 +204,7 @@ class EpsCore:
         return self._break(f"rank {rank} left in the middle of step {step} ({len(pushed)} "
                            "of its layers pushed) and this server keeps no previous versions "
                            "(--recovery), so no replacement can redo its part: the job cannot "
-                           "finish; restart it from its last checkpoint")
+                           "finish; restart it from its last checkpoint", level)
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
         peer = self.peers.get(identity)
@@ -375,6 +376,6 @@ class EpsCore:
                                "rank")
         self.peers.leave(identity, msg.done)
         outs = self.data.fail_waiters(identity, "bad_request", f"rank {peer.rank} said Bye")
-        if peer.worker and not msg.done:
-            outs += self._stranded(peer.rank)
+        if peer.worker and not msg.done:  # a failure, or a job being stopped: a warning
+            outs += self._stranded(peer.rank, logging.WARNING)
         return outs + [Out(identity, Ack(req_id=msg.req_id))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import signal
@@ -48,7 +49,7 @@ class Throttled:
 
     def __init__(self, burst: int = 10, window: float = 10.0):
         self.burst, self.window = burst, window
-        self.start, self.count, self.dropped = time.monotonic(), 0, 0
+        self.start, self.count, self.dropped = -math.inf, 0, 0  # a window opens at a warning
 
     def warn(self, fmt: str, *args) -> None:
         now = time.monotonic()
@@ -77,6 +78,7 @@ class EpsServer:
         self._lobby = asyncio.Lock()
         self._lock: RunLock | None = None
         self._claim: IpcClaim | None = None  # the ipc socket file, ours while we serve
+        self._serving = False  # bound: a server that never was writes no final checkpoint
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
@@ -101,6 +103,9 @@ class EpsServer:
                                  self.cfg.insecure):
             log.warning(warning)
         curve.check_server_options(self.cfg.curve_secret_key, self.cfg.curve_clients)
+        # First: a server refused here has touched nothing (regions, checkpoints) of the one
+        # serving the socket.
+        self._claim = IpcClaim(self.cfg.endpoint)
         self._lock = RunLock(self.run_id)  # before any region: ours are never "orphaned"
         if stale := self._lock.remove_stale():
             log.warning("removed %d shared-memory regions left by an earlier server of run %s",
@@ -120,11 +125,11 @@ class EpsServer:
         if self.cfg.curve_secret_key:
             self._auth = curve.serve(ctx, self.sock, self.cfg.curve_secret_key,
                                      self.cfg.curve_clients)
-        self._claim = IpcClaim(self.cfg.endpoint)
         try:
             self.sock.bind(self.cfg.endpoint)
         except zmq.ZMQError as e:  # a port in use, an address not on this machine
             raise OSError(f"cannot listen on {self.cfg.endpoint}: {e}") from None
+        self._serving = True  # from now on a final checkpoint is this server's to write
         endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp port 0: the real one
         if self.cfg.metrics_port:
             self._metrics = metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host,
@@ -166,7 +171,7 @@ class EpsServer:
         memory; returns the final statistics."""
         stats = self.stats.snapshot()
         if core is not None:
-            core.close()
+            core.close(final_save=self._serving)
             stats = core.status_stats()
         if self._lock is not None:
             self._lock.release()

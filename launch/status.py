@@ -73,7 +73,7 @@ def watch(client, interval: float, as_json: bool) -> None:
                 elif redraw:
                     live.update(render(r), refresh=True)
                 else:
-                    Console().print(render(r))
+                    show(render(r))
                     sys.stdout.flush()
                 time.sleep(interval)
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ from protocol.shm import list_regions
 from worker.config import ModelConfig
 from worker.data import MarkovTask
 
-from .helpers import ENV, SMALL, pids_alive
+from .helpers import ENV, ROOT, SMALL, pids_alive
 
 LAUNCH = [sys.executable, "-m", "launch", "--quiet"]
 
@@ -289,19 +289,26 @@ def test_a_cgroup_cpu_quota_limits_the_cores(tmp_path, monkeypatch):
 
 
 def test_run_directories_of_launchers_that_are_gone_are_removed(tmp_path, monkeypatch):
-    """A killed launcher leaves its private directory; the next one removes it, and only it."""
-    from launch.rundir import PID_FILE, private_run_dir
+    """A killed launcher leaves its private directory; the next one removes it, and only it:
+    not one whose launcher lives (it holds its lock), nor one without a lock file."""
+    from launch.rundir import LOCK, private_run_dir
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    ended = subprocess.Popen(["true"])
-    ended.wait()  # its pid is nobody's now (were it reused, the directory would stay)
-    for name, pid in (("dead", ended.pid), ("live", os.getpid())):
-        d = tmp_path / f"l2l-run-{name}"
-        d.mkdir()
-        (d / "w0.json").write_text("{}")
-        (d / PID_FILE).write_text(str(pid))
-    (tmp_path / "l2l-run-making").mkdir()  # no pid file yet
-    new = private_run_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["l2l-run-live", "l2l-run-making", os.path.basename(new)])
-    assert (tmp_path / os.path.basename(new) / PID_FILE).read_text() == str(os.getpid())
+    script = ("import sys; from launch.rundir import private_run_dir; "
+              "print(private_run_dir(), flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**ENV, "XDG_RUNTIME_DIR":
+                                                                   str(tmp_path)},
+                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    dead, live = (os.path.basename(p.stdout.readline().strip()) for p in procs)
+    procs[0].kill()  # as a SIGKILLed launcher: its directory stays
+    procs[0].wait()
+    (tmp_path / "l2l-run-making").mkdir()  # no lock file yet
+    try:
+        assert (tmp_path / dead / LOCK).exists()
+        new = os.path.basename(private_run_dir())
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, "l2l-run-making",
+                                                                       new])
+    finally:
+        procs[1].kill()
+        procs[1].wait()

@@ -234,9 +234,13 @@ def test_a_second_server_on_the_same_socket_is_refused(server, client):
                                *extra], env=ENV, capture_output=True, text=True, timeout=60)
 
     bootstrap(client)
-    out = second()
+    root = server.tmp / "ckpt"
+    client.save(str(root))
+    before = sorted(p.name for p in root.iterdir())
+    out = second("--load", str(root), "--server-save", str(root))  # e.g. run twice by mistake
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"served by another eps-server (pid {server.server.pid})" in out.stderr
+    assert sorted(p.name for p in root.iterdir()) == before  # it wrote nothing there
     assert client.status().versions == (0, 0, 0)  # the first still serves, on its socket
     os.killpg(server.server.pid, signal.SIGKILL)
     server.server.wait()
@@ -423,12 +427,22 @@ def test_a_stopped_eps_resumed_does_not_declare_its_workers_dead(cluster, beatin
 
 
 def test_a_worker_lost_mid_step_without_recovery_fails_the_others_at_once(cluster):
-    """Rank 1 dies after pushing layers of step 2, and no replacement can redo them (no
-    --recovery): rank 0 is told so and exits, instead of waiting out its 600 s timeout."""
+    """Rank 1 stops at the last visit of step 2's backward (its pushes of layers 3, 2 and 1
+    queued two visits earlier or more) and is killed once the EPS has its gradient of the head
+    (layer 3 at version 3); no replacement can redo that part (no --recovery): rank 0 is told
+    so and exits, instead of waiting out its 600 s timeout."""
     cluster.start_server(2)
     w0 = cluster.worker(0, 2, *SMALL, "--steps", "50")
-    w1 = cluster.worker(1, 2, *SMALL, "--steps", "50", "--fault", "1:2:B1")
-    assert cluster.wait(w1, 120) != 0
+    w1 = cluster.worker(1, 2, *SMALL, "--steps", "50", "--fault", "1:2:B0:stop")
+    ctl = EpsClient(cluster.endpoint, timeout=20)
+    try:
+        deadline = time.monotonic() + 120
+        while (ctl.status().versions or (0,) * 4)[3] < 3:  # () before the model exists
+            assert time.monotonic() < deadline and w1.poll() is None, cluster.log(w1)
+            time.sleep(0.1)
+    finally:
+        ctl.close()
+    w1.kill()
     assert cluster.wait(w0, 60) == 1, cluster.log(w0)
     assert "no replacement can redo its part" in cluster.log(w0)
     assert "rank 1 left in the middle of step 2" in cluster.log(cluster.server)
