@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import codec, curve
-from protocol.endpoints import IpcClaim, check_bind
+from protocol.endpoints import IpcClaim, check_bind, ipv6
 from protocol.events import EventWriter, PeerLost, Ready, ServerStats
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
 from protocol.shm import RunLock, remove_orphans
@@ -125,6 +125,7 @@ class EpsServer:
         if self.cfg.curve_secret_key:
             self._auth = curve.serve(ctx, self.sock, self.cfg.curve_secret_key,
                                      self.cfg.curve_clients)
+        self.sock.setsockopt(zmq.IPV6, ipv6(self.cfg.endpoint))
         try:
             self.sock.bind(self.cfg.endpoint)
         except zmq.ZMQError as e:  # a port in use, an address not on this machine

@@ -60,6 +60,11 @@ def check_bind(endpoint: str, authenticated: bool = False, insecure: bool = Fals
     raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:///path or tcp://127.0.0.1:PORT")
 
 
+def ipv6(endpoint: str) -> bool:
+    """An IPv6 address (tcp://[::1]:P): ZeroMQ sockets take one only with the IPV6 option."""
+    return endpoint.startswith("tcp://[")
+
+
 def check_connect(endpoint: str) -> None:
     """Raise ValueError if the ipc socket to connect to lies in a directory that another user
     owns or that others can enter: whoever listens there could be anyone (a client sends its

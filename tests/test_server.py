@@ -325,6 +325,16 @@ def test_control_over_tcp_needs_a_hello_and_an_observer_takes_no_rank(cluster, t
         w.close()
 
 
+def test_an_ipv6_loopback_endpoint_serves(cluster):
+    cluster.endpoint = f"tcp://[::1]:{free_port()}"
+    cluster.start_server(1)
+    c = EpsClient(cluster.endpoint, timeout=20)
+    try:
+        assert c.status().versions == ()  # no model yet, but an answer over IPv6
+    finally:
+        c.close()
+
+
 def test_a_restarted_initialiser_sends_only_the_missing_layers(cluster):
     cluster.start_server(1, "--heartbeat-timeout", "0.5")
     a = EpsClient(cluster.endpoint, 20)

@@ -30,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol import codec
 from protocol.curve import HANDSHAKE_FAILED, ClientKeys, handshake_failure
-from protocol.endpoints import check_connect
+from protocol.endpoints import check_connect, ipv6
 from protocol.lifecycle import process_identity
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -207,6 +207,7 @@ class EpsClient:
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.IPV6, ipv6(self.endpoint))
         if self._curve is not None:
             self._curve.apply(sock)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
