@@ -54,5 +54,10 @@ def run_role(args: LaunchArgs) -> int:
         return run(cfg)
     from worker.__main__ import run
 
-    return run(worker_args(args, a.endpoint or args.worker.endpoint, a.rank,
-                           os.path.join(run_dir, "worker-{rank}.json")))
+    # One summary per worker (no launcher sums them up here): --summary-json with {rank} in
+    # it, or its name with -{rank} before the extension, else in the run directory.
+    summary = os.path.join(run_dir, "worker-{rank}.json")
+    if a.summary_json:
+        stem, ext = os.path.splitext(a.summary_json)
+        summary = a.summary_json if "{rank}" in a.summary_json else f"{stem}-{{rank}}{ext}"
+    return run(worker_args(args, a.endpoint or args.worker.endpoint, a.rank, summary))

@@ -312,3 +312,22 @@ def test_run_directories_of_launchers_that_are_gone_are_removed(tmp_path, monkey
     finally:
         procs[1].kill()
         procs[1].wait()
+
+
+def test_a_worker_role_writes_its_summary_where_summary_json_says(tmp_path, monkeypatch):
+    """--role worker: one summary per worker, at --summary-json with {rank} (or -{rank} added
+    before its extension), else in the run directory (it was always the run directory)."""
+    import worker.__main__ as worker_main
+    from launch.config import LaunchArgs
+    from launch.roles import run_role
+    from protocol import cli
+
+    got = []
+    monkeypatch.setattr(worker_main, "run", lambda a: got.append(a.worker.summary_json) or 0)
+    runs = tmp_path / "runs"
+    for flag, want in (("", str(runs / "r1" / "worker-{rank}.json")), ("s.json", "s-{rank}.json"),
+                       ("s{rank}.json", "s{rank}.json")):
+        args = cli.parse(LaunchArgs, ["--role", "worker", "--runs-dir", str(runs), "--run-id",
+                                      "r1", *(["--summary-json", flag] if flag else [])],
+                         "l2l-launch", "")
+        assert run_role(args) == 0 and got.pop() == want
