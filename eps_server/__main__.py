@@ -47,7 +47,7 @@ def run(cfg: ServerConfig) -> int:
         return 2
     finally:
         server.close()
-    return 0
+    return server.exit_code
 
 
 if __name__ == "__main__":
