@@ -6,8 +6,8 @@
   with that step's own loss.
 - Children's logs go to ``<run dir>/<name>.log`` (eps.log, w0.log, ...). Only their warnings and
   errors (whole, with the lines that continue them, and tracebacks) reach the console, each
-  line prefixed by its process; ``verbose``
-  shows every line. Launcher messages and evaluations are printed above the bar.
+  line prefixed by its process; ``verbose`` shows every line. Launcher messages and
+  evaluations are printed above the bar.
 - ``table`` formats the final summary.
 
 Called from the launcher's reader threads: one lock orders the output.
