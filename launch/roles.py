@@ -39,13 +39,13 @@ def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,
 
 def run_role(args: LaunchArgs) -> int:
     a = args.launch
-    run_dir = os.path.join(a.runs_dir, a.run_id) if a.run_id else a.runs_dir
-    os.makedirs(run_dir, exist_ok=True)
     if a.role == "eps":
         from eps_server.__main__ import run
 
-        cfg = server_config(args, a.endpoint or args.server.endpoint,
-                            a.run_id or secrets.token_hex(4))
+        run_id = a.run_id or secrets.token_hex(4)
+        run_dir = os.path.join(a.runs_dir, run_id)
+        os.makedirs(run_dir, exist_ok=True)
+        cfg = server_config(args, a.endpoint or args.server.endpoint, run_id)
         if cfg.save and latest(cfg.save):
             # A restarted EPS (its container's restart policy) continues from its last
             # checkpoint, not from the job's --load; workers that lost it rejoin at that step.
@@ -55,8 +55,9 @@ def run_role(args: LaunchArgs) -> int:
     from worker.__main__ import run
 
     # One summary per worker (no launcher sums them up here): --summary-json with {rank} in
-    # it, or its name with -{rank} before the extension, else in the run directory.
-    summary = os.path.join(run_dir, "worker-{rank}.json")
+    # it, or its name with -{rank} before the extension, else in the run directory (without
+    # --run-id, the worker learns the run's id from the EPS: {run}).
+    summary = os.path.join(a.runs_dir, a.run_id or "{run}", "worker-{rank}.json")
     if a.summary_json:
         stem, ext = os.path.splitext(a.summary_json)
         summary = a.summary_json if "{rank}" in a.summary_json else f"{stem}-{{rank}}{ext}"

@@ -325,9 +325,12 @@ def test_a_worker_role_writes_its_summary_where_summary_json_says(tmp_path, monk
     got = []
     monkeypatch.setattr(worker_main, "run", lambda a: got.append(a.worker.summary_json) or 0)
     runs = tmp_path / "runs"
-    for flag, want in (("", str(runs / "r1" / "worker-{rank}.json")), ("s.json", "s-{rank}.json"),
-                       ("s{rank}.json", "s{rank}.json")):
-        args = cli.parse(LaunchArgs, ["--role", "worker", "--runs-dir", str(runs), "--run-id",
-                                      "r1", *(["--summary-json", flag] if flag else [])],
+    for run, flag, want in (("r1", "", str(runs / "r1" / "worker-{rank}.json")),
+                            ("", "", str(runs / "{run}" / "worker-{rank}.json")),  # from the EPS
+                            ("r1", "s.json", "s-{rank}.json"),
+                            ("r1", "s{rank}.json", "s{rank}.json")):
+        args = cli.parse(LaunchArgs, ["--role", "worker", "--runs-dir", str(runs),
+                                      *(["--run-id", run] if run else []),
+                                      *(["--summary-json", flag] if flag else [])],
                          "l2l-launch", "")
         assert run_role(args) == 0 and got.pop() == want

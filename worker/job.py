@@ -261,7 +261,10 @@ def run_worker(args: WorkerArgs) -> dict:
         "pinned_regions": source.regions.registered, "unpinned_regions": source.regions.refused,
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
-    if cfg.summary_json:
-        with open(per_rank(cfg.summary_json, cfg.rank), "w") as f:
+    if cfg.summary_json:  # {run}: the run id the EPS gave (l2l-launch --role worker's default)
+        path = per_rank(cfg.summary_json, cfg.rank).replace(
+            "{run}", welcome.run_id if welcome is not None else "unjoined")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(summary, f, indent=1)
     return summary
