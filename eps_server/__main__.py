@@ -47,7 +47,7 @@ def run(cfg: ServerConfig) -> int:
         return 2
     finally:
         server.close()
-    return server.exit_code
+    return 0
 
 
 if __name__ == "__main__":

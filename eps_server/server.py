@@ -79,7 +79,6 @@ class EpsServer:
         self._lock: RunLock | None = None
         self._claim: IpcClaim | None = None  # the ipc socket file, ours while we serve
         self._serving = False  # bound: a server that never was writes no final checkpoint
-        self.exit_code = 0
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
@@ -283,12 +282,6 @@ class EpsServer:
         checkpoints are in, or SETTLE_TIMEOUT after the last worker finished."""
         core = self.core
         if not self.cfg.exit_when_done or core is None:
-            return
-        if core.broken is not None and not any(p.worker for p in core.peers.snapshot()):
-            if not self._stop.is_set():  # nothing more can happen: say so with the status
-                log.error("exiting: the server stopped updating and no worker is left")
-                self.exit_code = 1
-                self._stop.set()
             return
         if not core.all_done:  # a rank came back: start over when it is done again
             if self._settle_timer is not None:
