@@ -7,7 +7,8 @@ same run, checks its targets, and writes JSON.
 
 Exit status: 0 when every target is met, 1 when one is missed (on a noisy machine, or at a size
 a target was not set for, a miss is a figure to read, not a failure of the code), 2 for a bad
-command line.
+command line. ``gpu`` reports a piece that failed or ran out of its budget in its rows and
+JSON, not in the status (``make gpu-check`` exits 1 for a failed one).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class LaunchConfig:
     """The EPS's endpoint; empty: a private ipc socket in this run's directory (--role all),
     else eps-server's default (ipc, per user)."""
     summary_json: str = ""
-    """Write the run summary (losses, accuracy, throughput, peak memory, EPS stats) here."""
+    """Write the run summary (losses, accuracy, throughput, peak memory, EPS stats) here;
+    --role worker: each worker's own summary, {rank} in the name or -<rank> added."""
     save: str = ""
     """Write the trained model here (safetensors, the assembled nn.Module's names)."""
     trace: str = ""
@@ -47,7 +48,8 @@ class LaunchConfig:
     python -m bench.timeline TRACE --png OUT)."""
     runs_dir: str = "runs"
     """Each job gets a directory here, runs/<run id>: the children's logs (eps.log, w0.log, ...),
-    the resolved job config (config.json) and the summary (summary.json)."""
+    the resolved job config (config.json) and the summary (summary.json); with --role, the
+    config and each worker's summary (worker-<rank>.json)."""
     verbose: bool = False
     """Show every line the children log (by default only their warnings and errors reach the
     console; all of it is in the run directory)."""

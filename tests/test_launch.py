@@ -334,3 +334,13 @@ def test_a_worker_role_writes_its_summary_where_summary_json_says(tmp_path, monk
                                       *(["--summary-json", flag] if flag else [])],
                          "l2l-launch", "")
         assert run_role(args) == 0 and got.pop() == want
+
+
+def test_a_worker_summary_path_takes_its_rank_and_the_run_the_eps_names():
+    from worker.eps_client import EpsError
+    from worker.job import summary_file
+
+    assert summary_file("runs/{run}/worker-{rank}.json", 3, "ab12") == "runs/ab12/worker-3.json"
+    for bad in ("../..", "", "a/b"):  # the run id becomes a folder name: never a path
+        with pytest.raises(EpsError, match="run id"):
+            summary_file("runs/{run}/w.json", 0, bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import asdict, replace
 
@@ -47,6 +48,15 @@ LOG_RANK = RankLabel()
 def per_rank(path: str, rank: int) -> str:
     """``path`` with {rank} replaced by the rank (replicas started with --rank -1 share flags)."""
     return path.replace("{rank}", str(rank))
+
+def summary_file(template: str, rank: int, run_id: str) -> str:
+    """--summary-json with {rank} and {run} (the run id the EPS gave: l2l-launch --role
+    worker's default path without --run-id) filled in."""
+    if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", run_id):  # as the EPS checks it: a path part
+        raise EpsError("bad_message", f"the EPS's run id {run_id!r} is not a valid one",
+                       "run_id")
+    return per_rank(template, rank).replace("{run}", run_id)
+
 
 INIT_IN_FLIGHT = 4  # initial layers in flight to the EPS while the next ones are loaded
 
@@ -143,6 +153,7 @@ def run_worker(args: WorkerArgs) -> dict:
     events = None if "{rank}" in cfg.events else EventWriter(cfg.events)
     client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
     source = welcome = tracer = memory = None
+    summary_path = ""
     results: list[StepResult] = []
     evals: list[dict] = []
     done = False
@@ -160,6 +171,9 @@ def run_worker(args: WorkerArgs) -> dict:
             if evalset is not None:
                 evalset = EvalSet(evalset.task, cfg.micro_batch_size, cfg.rank, cfg.world_size)
         LOG_RANK.rank = str(cfg.rank)
+        if cfg.summary_json:  # its folder made now: an unwritable one fails before training
+            summary_path = summary_file(cfg.summary_json, cfg.rank, welcome.run_id)
+            os.makedirs(os.path.dirname(os.path.abspath(summary_path)), exist_ok=True)
         events = events or EventWriter(per_rank(cfg.events, cfg.rank))
         device = worker_device(cfg.device, cfg.rank)
         if device.type == "cuda":
@@ -261,10 +275,7 @@ def run_worker(args: WorkerArgs) -> dict:
         "pinned_regions": source.regions.registered, "unpinned_regions": source.regions.refused,
         "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
     }
-    if cfg.summary_json:  # {run}: the run id the EPS gave (l2l-launch --role worker's default)
-        path = per_rank(cfg.summary_json, cfg.rank).replace(
-            "{run}", welcome.run_id if welcome is not None else "unjoined")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
+    if summary_path:
+        with open(summary_path, "w") as f:
             json.dump(summary, f, indent=1)
     return summary
