@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from protocol.endpoints import default_endpoint, is_loopback_host
+from protocol.shm import is_run_id
 
 from .schedules import lr_at
 
@@ -181,7 +181,7 @@ class ServerConfig:
                              "run to anyone who can reach it; give --insecure to allow it")
         if bool(self.curve_secret_key) != bool(self.curve_clients):
             raise ValueError("CURVE needs both curve_secret_key and curve_clients")
-        if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
+        if self.run_id and not is_run_id(self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
 
     @property

@@ -118,6 +118,7 @@ class Lamb(LayerOptimizer):
         self.ends = self.starts + np.array([s.numel for s in self.plan.tensors], dtype=np.int64)
         self.decays = np.array([s.group == "decay" for s in self.plan.tensors])
         self._pieces: dict[int, list] = {}  # the layer cut for k threads
+        self._blocks: tuple | None = None  # (first block, block count) of each tensor
 
     def step(self, t: int, lr: float, grad_scale: float = 1.0,
              cfg: OptimizerConfig | None = None) -> None:
@@ -133,7 +134,9 @@ class Lamb(LayerOptimizer):
         x, g = self.master.numpy(), self.grad.numpy()
         m, v = self.exp_avg.numpy(), self.exp_avg_sq.numpy()
         r = _scratch(x.shape[0])
-        first, count = lamb_kernels.blocks(self.starts, self.ends)
+        if self._blocks is None:
+            self._blocks = lamb_kernels.blocks(self.starts, self.ends)
+        first, count = self._blocks
         bx, br = (np.empty(int(count.sum()), dtype=f) for _ in range(2))
         _in_pieces(self._cut(), lambda s, e, t, b: lamb_kernels.moments(
             x, g, m, v, r, s, e, wd[t], b, f(c.beta1), f(c.beta2), bc1, bc2, f(c.eps),

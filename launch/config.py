@@ -3,11 +3,11 @@ it passes on (the same fields as l2l-worker's and eps-server's, minus those it s
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from eps_server.config import ServerConfig
+from protocol.shm import is_run_id
 from worker.config import DataConfig, ModelConfig, WorkerConfig
 
 # Set by the launcher for each child, so not options of its own.
@@ -72,7 +72,7 @@ class LaunchConfig:
             raise ValueError("--log-every must be >= 1")
         if not -1 <= self.rank < self.workers:
             raise ValueError("--rank must be in [0, --workers), or -1 (any free rank)")
-        if self.run_id and not re.fullmatch(r"[A-Za-z0-9_]{1,64}", self.run_id):
+        if self.run_id and not is_run_id(self.run_id):
             raise ValueError("--run-id must be 1..64 letters, digits or underscores")
 
 

@@ -20,7 +20,14 @@ if TYPE_CHECKING:  # torch loads when a region is first viewed as a tensor: l2l-
     import torch  # launcher only list and remove regions
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9_]{1,64}")
 SHM_DIR = "/dev/shm"  # Linux; used only to list regions by prefix for cleanup
+
+
+def is_run_id(run_id: str) -> bool:
+    """A run id names its regions (l2l-<run id>-...) and its runs/ folder: 1..64 letters,
+    digits or underscores."""
+    return bool(_RUN_ID.fullmatch(run_id))
 
 
 def check_name(name: str) -> str:

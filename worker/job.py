@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import asdict, replace
 
@@ -14,6 +13,7 @@ import torch
 from protocol.curve import client_keys
 from protocol.events import EvalDone, EventWriter, Joined, StepDone
 from protocol.messages import WorkerReport
+from protocol.shm import is_run_id
 from protocol.tensors import Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
@@ -52,7 +52,7 @@ def per_rank(path: str, rank: int) -> str:
 def summary_file(template: str, rank: int, run_id: str) -> str:
     """--summary-json with {rank} and {run} (the run id the EPS gave: l2l-launch --role
     worker's default path without --run-id) filled in."""
-    if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", run_id):  # as the EPS checks it: a path part
+    if not is_run_id(run_id):  # as the EPS checks its own: a folder name, never a path
         raise EpsError("bad_message", f"the EPS's run id {run_id!r} is not a valid one",
                        "run_id")
     return per_rank(template, rank).replace("{run}", run_id)

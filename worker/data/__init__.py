@@ -48,11 +48,11 @@ def build_task(model: LayeredModel, data: DataConfig | None = None, *,
         if not data.data:
             raise ValueError(f"model {model.cfg.model} trains on text: give --data PATH")
         task = text_task(model, data, data.data, micro_batch_size, global_micro_batches)
-        if micro_batch_size * global_micro_batches > task.n:
+        step = micro_batch_size * global_micro_batches
+        if step > task.n:
             log.warning("%s: a step takes %d samples (every worker's micro-batches), the data "
-                        "holds %d: each is seen about %.0f times a step", data.data,
-                        micro_batch_size * global_micro_batches, task.n,
-                        micro_batch_size * global_micro_batches / task.n)
+                        "holds %d: each is seen about %.0f times a step", data.data, step,
+                        task.n, step / task.n)
     else:
         task = SYNTHETIC[name](model.cfg)
     if task.objective != model.objective:
