@@ -9,7 +9,9 @@ against a baseline measured in the same run, on the same GPU.
               every weight already on the device and AdamW run there
     paper     the paper's Tables 2/3 on one GPU: BERT-Large (24 x 1024, FFN 4096), device
               memory capped (default 16 GiB, a V100): the resident model at the largest batch
-              that fits (fp32, AMP bf16) against L2L fp32 and CMP bf16 at u micro-batches
+              that fits (fp32, AMP bf16) against L2L fp32 and CMP bf16 at u micro-batches, of
+              the largest size that fits and of a small fixed size (32): where one micro-batch
+              fills the GPU, u has nothing left to amortise
     depth     peak device memory of 24 .. 384 BERT-Large blocks (stash on the host)
     mfu       model FLOPs utilisation of the largest model the host RAM holds (bf16), and
               where the worker's time goes (its trace)
@@ -37,6 +39,7 @@ from .gpu_parts import (
     MEM,
     SHM,
     depth_flat,
+    fit_result,
     l2l_fit,
     peak_bytes,
     resident_fit,
@@ -63,6 +66,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cap-gib", type=float, default=16.0, help="paper: device memory cap")
     p.add_argument("--seq", default="128,512", help="paper: sequence lengths")
     p.add_argument("--u", default="1,2,4,8", help="paper: micro-batches per visit")
+    p.add_argument("--mbs", default="0,32",
+                   help="paper: L2L micro-batch sizes, 0 for the largest that fits the cap (a "
+                        "small fixed one shows what u buys where weight traffic dominates)")
     p.add_argument("--depths", default="24,48,96,384", help="depth: blocks")
     p.add_argument("--mfu-params", type=float, default=0.0,
                    help="mfu: billions of parameters; 0: the largest the host RAM holds")
@@ -205,6 +211,7 @@ def bench_paper(a) -> dict:
     cap = 0 if a.tiny else int(a.cap_gib * GIB)
     headers = ["T", "config", "u", "batch", "samples/s", "peak GiB", "vs resident fp32"]
     rows, out, targets = live(a, headers), {}, []
+    sizes = [min(int(n), 3) if a.tiny else int(n) for n in a.mbs.split(",")]  # tiny: small
     for seq in ([32] if a.tiny else [int(s) for s in a.seq.split(",")]):
         m = shape(a)
         mcfg = ModelConfig(**m, seq_len=seq, dropout=0.1)
@@ -215,39 +222,49 @@ def bench_paper(a) -> dict:
             rows.append([seq, f"resident {p}{' (AMP)' if p == 'bf16' else ''}", "-",
                          r["batch"], r["samples_per_sec"], r["peak_bytes"] / GIB, 1.0])
         l2l, failed = {}, {}
-        for p in ("bf16", "fp32"):  # CMP first: the claim against resident fp32 is its own
-            for u in [int(x) for x in a.u.split(",")]:
-                label = "L2L fp32" if p == "fp32" else "CMP bf16"
-                try:
-                    r = l2l_fit(lambda mbs, u=u, p=p: job(
-                        a, m, seq=seq, mbs=mbs, u=u, precision=p,
+        for mbs in sizes:  # 0: the largest micro-batch that fits; else fixed at mbs
+            for p in ("bf16", "fp32"):  # CMP first: the claim against resident fp32 is its own
+                for u in [int(x) for x in a.u.split(",")]:
+                    label = ("L2L fp32" if p == "fp32" else "CMP bf16") + \
+                        (" (B fixed)" if mbs else "")
+                    run = lambda n, u=u, p=p: job(  # noqa: E731
+                        a, m, seq=seq, mbs=n, u=u, precision=p,
                         extra=["--stash", "host", *(["--device-memory-gib", str(a.cap_gib)]
-                                                    if cap else [])]),
-                        mcfg, p, u, a.device, cap, warmup=a.warmup, tiny=a.tiny)
-                except RuntimeError as e:  # one configuration's failure costs that row only
-                    failed[f"{p}_u{u}"] = str(e)[-3000:]
-                    print(f"paper: T={seq} {label} u={u} FAILED: {str(e)[-3000:]}", flush=True)
-                    rows.append([seq, label, u, "-", "-", "-", "FAILED"])
-                    continue
-                l2l[p, u] = r
-                rows.append([seq, label, u, r["batch"], r["samples_per_sec"],
-                             r["peak_bytes"] / GIB,
-                             r["samples_per_sec"] / base["fp32"]["samples_per_sec"]])
-        cmp = [r["samples_per_sec"] for (p, _), r in l2l.items() if p == "bf16"]
+                                                    if cap else [])])
+                    key = f"{p}_u{u}" + (f"_mbs{mbs}" if mbs else "")
+                    try:
+                        r = (fit_result(run(mbs), mbs, u, a.warmup) if mbs else
+                             l2l_fit(run, mcfg, p, u, a.device, cap, warmup=a.warmup,
+                                     tiny=a.tiny))
+                    except RuntimeError as e:  # one configuration's failure costs its row only
+                        failed[key] = str(e)[-3000:]
+                        print(f"paper: T={seq} {label} u={u} FAILED: {str(e)[-3000:]}",
+                              flush=True)
+                        rows.append([seq, label, u, mbs or "-", "-", "-", "FAILED"])
+                        continue
+                    l2l[key] = r
+                    rows.append([seq, label, u, r["batch"], r["samples_per_sec"],
+                                 r["peak_bytes"] / GIB,
+                                 r["samples_per_sec"] / base["fp32"]["samples_per_sec"]])
+        cmp = [r["samples_per_sec"] for key, r in l2l.items() if key.startswith("bf16")]
         if cmp:
             targets.append(check(f"T={seq}: CMP / resident fp32 samples/s", max(cmp) /
                                  base["fp32"]["samples_per_sec"], ">=", 1.4))
-        for p in ("fp32", "bf16"):
-            if (p, 1) in l2l and (p, 4) in l2l:
-                targets.append(check(f"T={seq}: {p} u=4 / u=1 samples/s",
-                                     l2l[p, 4]["samples_per_sec"] /
-                                     l2l[p, 1]["samples_per_sec"], ">=", 1.5))
-        out[seq] = {"resident": base, "l2l": {f"{p}_u{u}": r for (p, u), r in l2l.items()},
-                    "failed": failed}
+        for mbs in sizes:
+            end = f"_mbs{mbs}" if mbs else ""
+            for p in ("fp32", "bf16"):
+                one, four = l2l.get(f"{p}_u1{end}"), l2l.get(f"{p}_u4{end}")
+                if one and four:
+                    at = f"micro-batch {mbs}" if mbs else "largest micro-batch"
+                    targets.append(check(f"T={seq}: {p} u=4 / u=1 samples/s ({at})",
+                                         four["samples_per_sec"] / one["samples_per_sec"],
+                                         ">=", 1.5))
+        out[seq] = {"resident": base, "l2l": l2l, "failed": failed}
     cap_txt = f"{a.cap_gib:g} GiB cap" if cap else "no cap"
     failures = [f"T={seq} {k}" for seq, o in out.items() for k in o["failed"]]
     return {"table": table(f"paper: BERT-Large shape, {cap_txt}; batch = samples per "
-                           "micro-batch (resident: per step)", headers, rows),
+                           "micro-batch (resident: per step; L2L: the largest that fits, or "
+                           "fixed)", headers, rows),
             "by_seq": out, "targets": targets,
             **({"error": "failed: " + ", ".join(failures)} if failures else {})}
 
@@ -290,7 +307,7 @@ def bench_mfu(a) -> dict:
         trace = os.path.join(tmp, "trace.json")
         s = job(a, m, seq=seq, mbs=mbs, u=u, precision="bf16",
                 extra=["--stash", "host", "--trace", trace], steps=a.warmup + a.steps)
-        split = trace_split(trace)
+        split = trace_split(trace, skip=a.warmup)
     params = s["eps"]["params"]
     step = steady_step_seconds(s, a.warmup)
     flops = 6 * params * mbs * u * seq / step

@@ -2,7 +2,7 @@
 the GPU benchmarks (bench/gpu.py), inside a time budget, into one JSON and one markdown table.
 
     python3 -m bench.gpucheck [--wheels DIR] [--out DIR] [--budget SECONDS] [--full]
-                              [--only tests,transfer,...]
+                              [--only tests,transfer,...] [--share paper=380,...]
     make gpu-check WHEELS=DIR                                  (the same, with python3)
 
 It needs no network: packages the machine's Python lacks (pyzmq, say) are installed from the
@@ -40,8 +40,8 @@ NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "yaml", "t
 PIECES = [("transfer", "transfer", [], [], 20, 60),
           ("engines", "engines", [], [], 20, 60),
           ("overhead", "overhead", [], [], 60, 120),
-          ("paper", "paper", ["--seq", "128", "--u", "1,4", "--steps", "2", "--warmup", "1"],
-           [], 120, 240),
+          ("paper", "paper", ["--seq", "128", "--u", "1,4", "--mbs", "0,32", "--steps", "2",
+                              "--warmup", "1"], [], 120, 300),
           ("depth", "depth", ["--depths", "24,48,96"], [], 60, 120),
           ("fsdp2", "peers", ["--peers", "fsdp2"], ["--peers", "fsdp2"], 60, 120),
           ("mfu", "mfu", ["--mfu-params", "2"], [], 90, 180),
@@ -108,15 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/gpu-check", help="results folder")
     p.add_argument("--budget", type=float, default=470, help="seconds for everything")
     p.add_argument("--full", action="store_true",
-                   help="the whole paper table (T=128,512, u=1,2,4,8) and 384 blocks")
+                   help="the whole paper table (T=128,512, u=1,2,4,8; largest and fixed "
+                        "micro-batch) and 384 blocks")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--only", default="",
                    help="comma-separated parts to run: tests and/or benchmarks among "
                         + ", ".join(name for name, *_ in PIECES) + " (default: all)")
+    p.add_argument("--share", default="",
+                   help="NAME=SECONDS,...: a benchmark's time share instead of its default "
+                        "(a long lease can give the paper table more than its 300 s)")
     p.add_argument("--tiny", action="store_true",
                    help="check this harness on a CPU: tiny models, the CUDA tests skip")
     a = p.parse_args(argv)
     known = {"tests", *(name for name, *_ in PIECES)}
+    try:
+        a.share = {k.strip(): float(v) for k, v in
+                   (part.split("=") for part in a.share.split(",") if part.strip())}
+    except ValueError:
+        p.error(f"--share: expected NAME=SECONDS[,NAME=SECONDS], got {a.share!r}")
+    pieces = {name for name, *_ in PIECES}
+    if set(a.share) - pieces or any(v <= 0 for v in a.share.values()):
+        p.error(f"--share: benchmarks are {', '.join(sorted(pieces))}, with seconds > 0; "
+                f"got {a.share}")
     a.only = {part.strip() for part in a.only.split(",") if part.strip()} or known
     if a.only - known:
         p.error(f"--only: unknown part(s) {', '.join(sorted(a.only - known))}; "
@@ -188,7 +201,8 @@ def check(a, t0: float, out: Path, work: Path) -> int:
     print(f"gpu-check: {c.report['device']}, torch {c.report['torch']} (CUDA "
           f"{c.report['cuda']}), budget {a.budget:.0f} s", flush=True)
     left = lambda: a.budget - (time.monotonic() - t0)  # noqa: E731
-    pieces = [piece for piece in PIECES if piece[0] in a.only]
+    pieces = [(name, piece, quick, whole, need, a.share.get(name, cap))
+              for name, piece, quick, whole, need, cap in PIECES if name in a.only]
     if "tests" not in a.only:
         c.report["tests"] = {"not_run": "not asked for (--skip-tests or --only)"}
     elif not importable("pytest"):

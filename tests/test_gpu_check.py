@@ -86,6 +86,15 @@ def test_trace_split_counts_nested_spans_once(tmp_path):
     path.write_text(json.dumps({"traceEvents": ev}))
     assert trace_split(str(path)) == pytest.approx({"data": 0.001, "forward": 0.006,
                                                     "wait": 0.004})
+    # A second step, 1 ms data and a 2 ms forward: skipping the first (warm-up) splits it alone.
+    ev += [{"ph": "X", "name": "data", "cat": "data", "pid": 1, "tid": 7, "ts": 20000,
+            "dur": 1000},
+           {"ph": "X", "name": "F1", "cat": "forward", "pid": 1, "tid": 7, "ts": 21000,
+            "dur": 2000}]
+    path.write_text(json.dumps({"traceEvents": ev}))
+    assert trace_split(str(path)) == pytest.approx({"data": 0.001, "forward": 0.004,
+                                                    "wait": 0.002})
+    assert trace_split(str(path), skip=1) == pytest.approx({"data": 0.001, "forward": 0.002})
     assert depth_flat({24: 100, 384: 104, 48: 101}) == pytest.approx(1.04)
 
 
@@ -184,7 +193,8 @@ def test_the_l2l_micro_batch_estimate_measures_the_hungriest_layer_alone():
 
 def test_a_paper_configuration_that_fails_costs_its_row_only(monkeypatch):
     """One L2L configuration failing leaves the others' rows and targets; the piece reports
-    which one failed (the check counts that as broken)."""
+    which one failed (the check counts that as broken). The rows at a fixed micro-batch run
+    their job at that size, without the fit, and have their own u target."""
     import argparse
 
     from bench import gpu
@@ -197,16 +207,31 @@ def test_a_paper_configuration_that_fails_costs_its_row_only(monkeypatch):
             raise RuntimeError("l2l-launch failed (1): CUDA out of memory")
         return {"batch": 4, "step_seconds": 0.1, "samples_per_sec": 20.0 * u, "peak_bytes": 1}
 
+    jobs = []
+
+    def job(a, m, *, seq, mbs, u, precision="fp32", extra=(), steps=None) -> dict:
+        jobs.append((precision, u, mbs))
+        if precision == "bf16" and u == 1:
+            raise RuntimeError("l2l-launch failed (1): worker 0 exited")
+        return {"workers": [{"step_seconds": [9.0, 0.4, 0.4], "peak_memory_bytes": 1}]}
+
     monkeypatch.setattr(gpu, "resident_fit", resident)
     monkeypatch.setattr(gpu, "l2l_fit", fit)
+    monkeypatch.setattr(gpu, "job", job)
     p = argparse.ArgumentParser()
     gpu.add_args(p)
-    r = gpu.bench_paper(p.parse_args(["--tiny", "--device", "cpu", "--u", "1,4"]))
-    assert r["error"] == "failed: T=32 fp32_u4"
+    r = gpu.bench_paper(p.parse_args(["--tiny", "--device", "cpu", "--u", "1,4", "--mbs",
+                                      "0,2"]))
+    assert r["error"] == "failed: T=32 fp32_u4, T=32 bf16_u1_mbs2"
     assert [(t["name"], t["value"]) for t in r["targets"]] == [
-        ("T=32: CMP / resident fp32 samples/s", 8.0), ("T=32: bf16 u=4 / u=1 samples/s", 4.0)]
-    assert set(r["by_seq"][32]["l2l"]) == {"fp32_u1", "bf16_u1", "bf16_u4"}
-    assert "FAILED" in r["table"] and "CMP bf16" in r["table"]
+        ("T=32: CMP / resident fp32 samples/s", 8.0),
+        ("T=32: bf16 u=4 / u=1 samples/s (largest micro-batch)", 4.0),
+        ("T=32: fp32 u=4 / u=1 samples/s (micro-batch 2)", 4.0)]
+    assert jobs == [("bf16", 1, 2), ("bf16", 4, 2), ("fp32", 1, 2), ("fp32", 4, 2)]
+    assert set(r["by_seq"][32]["l2l"]) == {"fp32_u1", "bf16_u1", "bf16_u4", "bf16_u4_mbs2",
+                                           "fp32_u1_mbs2", "fp32_u4_mbs2"}
+    assert r["by_seq"][32]["l2l"]["fp32_u4_mbs2"]["samples_per_sec"] == 4 * 2 / 0.4
+    assert "FAILED" in r["table"] and "CMP bf16 (B fixed)" in r["table"]
 
 
 @pytest.mark.slow
@@ -230,7 +255,8 @@ def test_a_piece_stopped_by_the_budget_keeps_its_rows_and_leaves_nothing_behind(
     check = Check(tmp_path, tmp_path, {})
     env = dict(ENV, PYTHONPATH=str(ROOT))
     data = run_piece(check, env, "paper", "paper", ["--tiny", "--device", "cpu", "--steps", "1",
-                                                    "--warmup", "1", "--u", "1,2,3,4,5,6,7,8"],
+                                                    "--warmup", "1", "--u", "1,2,3,4,5,6,7,8",
+                                                    "--mbs", "0"],
                      timeout=20)
     assert "stopped" in data and "error" not in data, data
     # the resident rows come within seconds; the 16 L2L jobs (3 processes each) take far longer
