@@ -63,14 +63,24 @@ def test_split_does_not_matter(cluster, tmp_path):
     """2 workers x 2 micro-batches end where 1 worker x 4 micro-batches does, and where plain
     training does; and SGD with momentum is served as well."""
     sgd = ("--optimizer", "sgd", "--momentum", "0.9")
-    a = l2l(cluster, tmp_path, model="bert", workers=2, micro_batches=2, server=sgd)
+    a = l2l(cluster, tmp_path, model="bert", workers=2, micro_batches=2, server=sgd,
+            extra=("--summary-json", str(tmp_path / "a{rank}.json")))
     cluster.close()
-    b = l2l(cluster, tmp_path, model="bert", workers=1, micro_batches=4, server=sgd)
+    b = l2l(cluster, tmp_path, model="bert", workers=1, micro_batches=4, server=sgd,
+            extra=("--summary-json", str(tmp_path / "b{rank}.json")))
     want = train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS,
                           global_micro_batches=4, batch_size=4, lr=1e-3, optimizer="sgd",
                           momentum=0.9)
     assert_close(a, b)
     assert_close(a, want)
+    # Each worker's summary (as its status and metrics) has its own mean loss: weighted by
+    # its loss terms, the two workers' make the one worker's (the whole minibatch's) loss.
+    two = [json.loads((tmp_path / f"a{r}.json").read_text()) for r in (0, 1)]
+    one = json.loads((tmp_path / "b0.json").read_text())
+    for t, loss in enumerate(one["losses"]):
+        own = sum(w["losses"][t] * w["counts"][t] for w in two) / sum(w["counts"][t]
+                                                                        for w in two)
+        assert own == pytest.approx(loss, rel=1e-5)
 
 
 def test_resume_reproduces_an_uninterrupted_run(cluster, tmp_path):

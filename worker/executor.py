@@ -58,6 +58,13 @@ class StepResult:
     seconds: float
     fetch_wait: float = 0.0  # seconds blocked waiting for weights (the rest of the EPS's lag)
     push_wait: float = 0.0  # seconds blocked on gradient slots and the step's push acks
+    norm: float = 0.0  # loss terms in the global minibatch (what the shares are divided by)
+
+    @property
+    def mean_loss(self) -> float:
+        """This worker's own mean loss: its share, scaled from the global minibatch's terms
+        to its own (with one worker, the share itself)."""
+        return self.loss * self.norm / self.count if self.count and self.norm else self.loss
 
 
 class Executor:
@@ -155,7 +162,8 @@ class Executor:
         count = sum(int((b.targets != -100).sum()) for b in batches)
         return StepResult(step, float(loss), int(correct), count,
                           len(batches) * self.sharder.size, time.perf_counter() - t0,
-                          self.waited["fetch"], self.waited["push"])
+                          self.waited["fetch"], self.waited["push"],
+                          float(batches[0].norm) if batches else 0.0)
 
     @contextlib.contextmanager
     def _waiting(self, what: str):

@@ -97,7 +97,8 @@ def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
 def report(last: StepResult, samples: int, seconds: float, memory: PeakMemory) -> WorkerReport:
     """This worker's report after ``last`` (sent with its heartbeats; once per step), with
     the samples and seconds of its steps so far."""
-    return WorkerReport(steps=last.step + 1, loss=last.loss, step_seconds=max(0.0, last.seconds),
+    return WorkerReport(steps=last.step + 1, loss=last.mean_loss,
+                        step_seconds=max(0.0, last.seconds),
                         fetch_wait=max(0.0, last.fetch_wait), push_wait=max(0.0, last.push_wait),
                         samples_per_sec=samples / seconds if seconds > 0 else 0.0,
                         memory=memory.current(), peak_memory=memory.value())
@@ -265,7 +266,7 @@ def run_worker(args: WorkerArgs) -> dict:
     summary = {
         "rank": cfg.rank, "world_size": cfg.world_size, "device": str(device), "pid": os.getpid(),
         "first_step": results[0].step if results else cfg.steps,
-        "steps": len(results), "losses": [r.loss for r in results],
+        "steps": len(results), "losses": [r.mean_loss for r in results],
         "correct": [r.correct for r in results], "counts": [r.count for r in results],
         "step_seconds": [r.seconds for r in results], "samples": samples,
         "seconds": elapsed, "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
