@@ -23,7 +23,7 @@ from protocol.lifecycle import skip_exit_collections
 from protocol.trace import merge
 
 from .config import LaunchArgs
-from .console import Console, table
+from .console import Console, say, table
 from .launcher import READY_TIMEOUT, Launcher
 from .roles import run_role, server_config, worker_args
 from .rundir import private_run_dir
@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_role(args)
         finally:
             skip_exit_collections()
+    problem = unwritable(args.launch.summary_json)
+    if problem:  # found now, not after the training
+        print(f"l2l-launch: --summary-json {args.launch.summary_json}: {problem}",
+              file=sys.stderr)
+        return 2
     launcher = build(args)
     t0 = time.perf_counter()
     try:
@@ -143,22 +148,40 @@ def main(argv: list[str] | None = None) -> int:
             merge([os.path.join(launcher.run_dir, p) for p in parts], args.launch.trace)
     finally:
         launcher.cleanup()
-    logs = launcher.console.log_dir
+    logs, failed = launcher.console.log_dir, code != 0
+    for path in (os.path.join(logs, "summary.json"), args.launch.summary_json):
+        if path:  # written before anything is printed: a closed stdout cannot lose it
+            try:
+                with open(path, "w") as f:
+                    json.dump(summary, f, indent=1)
+            except OSError as e:
+                say(f"l2l-launch: could not write the summary to {path}: {e}", sys.stderr)
+                code = code or 1
     if code == 0:
         peak = max((w["peak_memory_bytes"] for w in summary["workers"]), default=0)
         final = summary["losses"][-1] if summary["losses"] else float("nan")
-        print(f"done: {summary['steps']} steps, final loss {final:.4f}, "
-              f"{summary['samples_per_sec']:,.1f} samples/s, peak worker memory "
-              f"{peak / 2**20:.0f} MiB", flush=True)
-        print(table(summary_rows(summary, logs), "summary"), flush=True)
-    else:
-        print(f"l2l-launch: failed: {launcher.failure} (logs: {logs})", file=sys.stderr,
-              flush=True)
-    for path in (os.path.join(logs, "summary.json"), args.launch.summary_json):
-        if path:
-            with open(path, "w") as f:
-                json.dump(summary, f, indent=1)
+        say(f"done: {summary['steps']} steps, final loss {final:.4f}, "
+            f"{summary['samples_per_sec']:,.1f} samples/s, peak worker memory "
+            f"{peak / 2**20:.0f} MiB\n" + table(summary_rows(summary, logs), "summary"))
+    elif failed:
+        say(f"l2l-launch: failed: {launcher.failure} (logs: {logs})", sys.stderr)
     return code
+
+
+def unwritable(path: str) -> str:
+    """Why a file cannot be written at ``path`` (its folder is made), or "" if it can."""
+    if not path:
+        return ""
+    if os.path.isdir(path):
+        return "is a folder"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"cannot make its folder: {e.strerror}"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return "not writable"
+    return ""
 
 
 def summary_rows(s: dict, logs: str) -> list[tuple[str, str]]:

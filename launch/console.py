@@ -15,6 +15,8 @@ Called from the launcher's reader threads: one lock orders the output.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import sys
@@ -78,9 +80,10 @@ class Console:
 
     def _write(self, text: str, stream: TextIO) -> None:
         if self._bar is not None:
-            self._bar.write(text, file=stream)  # above the bar, which is redrawn
+            with _unless_gone(stream):
+                self._bar.write(text, file=stream)  # above the bar, which is redrawn
         else:
-            print(text, file=stream, flush=True)
+            say(text, stream)
 
     # ------------------------------------------------------------------------- progress
 
@@ -101,13 +104,14 @@ class Console:
         rate = row["samples"] / row["seconds"] if row["seconds"] > 0 else 0.0
         with self._lock:
             if self._bar is not None:  # redrawn every step: the smoothed loss
-                self._bar.set_postfix_str(self._fields(row, rate, self._loss), refresh=False)
-                self._bar.update(row["step"] + 1 - self._bar.n)
+                with _unless_gone(self.out):
+                    self._bar.set_postfix_str(self._fields(row, rate, self._loss),
+                                              refresh=False)
+                    self._bar.update(row["step"] + 1 - self._bar.n)
                 return
             n = row["step"] + 1  # a line now and then: the step's own loss, as in the summary
             if n % self.every == 0 or n == self.total or n == 1:
-                print(f"step {n:>5}/{self.total}  {self._fields(row, rate, loss)}",
-                      file=self.out, flush=True)
+                say(f"step {n:>5}/{self.total}  {self._fields(row, rate, loss)}", self.out)
 
     def _fields(self, row: dict, rate: float, loss: float) -> str:
         parts = [f"loss {loss:.4f}", f"acc {row['accuracy']:.3f}", f"{rate:,.0f} samples/s"]
@@ -120,11 +124,32 @@ class Console:
     def close(self) -> None:
         with self._lock:
             if self._bar is not None:
-                self._bar.close()
+                with _unless_gone(self.out):
+                    self._bar.close()
                 self._bar = None
             for f in self._files.values():
                 f.close()
             self._files.clear()
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """Print a line; a reader that went away (``| head``, a pager quit) stops the output,
+    not the run: the launcher still stops its children cleanly and writes its summaries."""
+    with _unless_gone(stream or sys.stdout):
+        print(text, file=stream or sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def _unless_gone(stream: TextIO):
+    try:
+        yield
+    except BrokenPipeError:
+        try:  # later writes, and the flush at exit, go nowhere instead of raising again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass
 
 
 def table(rows: list[tuple[str, str]], title: str) -> str:

@@ -97,3 +97,39 @@ def test_a_job_keeps_its_logs_config_and_summary_in_its_run_directory(tmp_path):
     again, s2, _ = launch(tmp_path, "--config", str(run / "config.json"), "--steps", "7")
     assert again.returncode == 0, again.stderr
     assert s2["losses"][:6] == s["losses"] and len(s2["losses"]) == 7
+
+
+def test_a_reader_that_goes_away_stops_the_output_not_the_run(tmp_path):
+    """stdout closed after the first line (``| head -1``): the run goes on to its end, exits 0
+    and writes its summaries; nothing is left behind."""
+    summary = tmp_path / "summary.json"
+    p = subprocess.Popen([sys.executable, "-m", "launch", "--endpoint",
+                          f"ipc://{tmp_path}/e.sock", "--summary-json", str(summary),
+                          *SMALL, "--model", "gpt", "--steps", "6", "--log-every", "1"],
+                         env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().startswith("step     1/6")
+        p.stdout.close()
+        _, err = p.communicate(timeout=240)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and "Traceback" not in err, err
+    s = json.loads(summary.read_text())
+    assert s["ok"] and s["steps"] == 6
+    assert json.loads((tmp_path / "runs" / s["run_id"] / "summary.json").read_text()) == s
+
+
+def test_an_unwritable_summary_path_is_refused_before_the_run(tmp_path):
+    from launch.__main__ import unwritable
+
+    (tmp_path / "f").write_text("")
+    assert unwritable(str(tmp_path / "new" / "s.json")) == ""  # its folder is made
+    assert (tmp_path / "new").is_dir()
+    assert unwritable(str(tmp_path / "new")) == "is a folder"
+    assert unwritable(str(tmp_path / "f" / "s.json")).startswith("cannot make its folder")
+    p = subprocess.run([sys.executable, "-m", "launch", "--endpoint", f"ipc://{tmp_path}/e.sock",
+                        "--summary-json", str(tmp_path / "f" / "s.json"), *SMALL, "--steps",
+                        "2"], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--summary-json" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started
