@@ -103,6 +103,13 @@ def test_typed_configs_round_trip(tmp_path):
     assert (again.model.ffn, again.model.classes) == (100, 3)  # given values stay
 
 
+def test_evaluation_every_n_steps_needs_evaluation_data():
+    """--eval-every alone was silently ignored (no data: no evaluation)."""
+    with pytest.raises(ValueError, match="--eval-every needs --eval-data"):
+        DataConfig(eval_every=2)
+    assert DataConfig(eval_every=2, eval_data="e.txt").eval_every == 2
+
+
 def test_events_are_typed_and_checked(tmp_path):
     ev = events.StepDone(rank=1, step=3, loss=0.5, correct=7, count=8, samples=8, seconds=0.1)
     assert events.decode(events.encode(ev)) == ev

@@ -109,6 +109,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.eval_every < 0:
             raise ValueError("eval_every must be >= 0")
+        if self.eval_every and not self.eval_data:
+            raise ValueError("--eval-every needs --eval-data (the data to evaluate on)")
 
 
 @dataclass(kw_only=True)
