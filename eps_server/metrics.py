@@ -133,6 +133,10 @@ def serve(port: int, host: str, insecure: bool, stats: EpsStats, core: Callable[
                          "exposes the run to anyone who can reach it (use --insecure)")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EpsCollector(stats, core))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:  # said as the metrics port's, not as a bare "Address already in use"
+        raise OSError(e.errno, f"metrics endpoint {host}:{port} (--metrics-port): "
+                               f"{e.strerror}") from None
     log.info("metrics on http://%s:%d/metrics", host, server.server_port)
     return server

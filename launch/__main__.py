@@ -70,6 +70,8 @@ def model_summary(model, eps: dict | None) -> dict:
     if model.model.startswith("hf:"):
         for key in BUILT_IN_SHAPE:
             out.pop(key)
+    elif model.model == "gpt":  # a language model: no classifier, whatever the default says
+        out.pop("classes")
     if eps and "params" in eps:
         out["params"] = eps["params"]
     return out

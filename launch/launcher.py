@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from protocol import events
 from protocol.checkpoints import latest
 from protocol.lifecycle import ENV as PARENT_ENV
+from protocol.lifecycle import exit_status
 from protocol.shm import unlink_prefix
 
 from .console import Console
@@ -218,8 +219,8 @@ class Launcher:
         deadline = time.monotonic() + READY_TIMEOUT
         while not self._ready.wait(0.1):
             if self.server.proc.poll() is not None:
-                self.failure = f"eps-server exited with status {self.server.proc.returncode} " \
-                               "before it was ready"
+                self.failure = (f"eps-server "
+                                f"{exit_status(self.server.proc.returncode)} before it was ready")
                 return False
             if self.early_workers and not self._check_workers():
                 return False
@@ -256,7 +257,7 @@ class Launcher:
         while True:
             code = self.server.proc.poll()  # first: its workers fail when it is gone
             if code not in (None, 0):
-                what = f"eps-server exited with status {code} while workers ran"
+                what = f"eps-server {exit_status(code)} while workers ran"
                 if not self._may_restart(what) or not self._restart_job(what):
                     return 1
                 server_gone = None
@@ -279,7 +280,7 @@ class Launcher:
             self.failure = "eps-server did not exit after the workers finished"
             return 1
         if self.server.proc.returncode != 0:
-            self.failure = f"eps-server exited with status {self.server.proc.returncode}"
+            self.failure = f"eps-server {exit_status(self.server.proc.returncode)}"
             return 1
         return 0
 
@@ -303,12 +304,12 @@ class Launcher:
             code = w.proc.poll()
             if code in (None, 0):
                 continue
-            what = f"w{r} exited with status {code}"
+            what = f"w{r} {exit_status(code)}"
             if not self._may_restart(what):
                 return False
             self.restarts.append({
                 "rank": r, "cause": f"hung: declared dead after {w.hung:.1f} s without a "
-                "message" if w.hung is not None else f"exited with status {code}",
+                "message" if w.hung is not None else exit_status(code),
                 "detected_after": round(w.hung or 0.0, 3), "steps_done": self._completed(),
                 "_t": time.monotonic()})
             self.console.note(f"l2l-launch: {what}; restarting rank {r} "

@@ -28,8 +28,8 @@ def render(r) -> Group:
                  f"EPS memory {mem:,.0f} MiB ({shm:,.0f} MiB shared)",
                  f"pushes {s.get('pushes', 0):,}", f"errors: {s.get('bad_messages', 0)} "
                  f"undecodable, {s.get('busy_refusals', 0)} busy")
-    workers = Table(title="workers (figures of each one's last step, from its heartbeats)",
-                    title_justify="left")
+    workers = Table(title="workers (from their heartbeats: samples/s over each one's steps so "
+                          "far, the other figures of its last step)", title_justify="left")
     for col in ("rank", "host", "pid", "step", "samples/s", "loss", "step time",
                 "waiting fetch / push", "memory (peak)", "last seen"):
         workers.add_column(col, justify="left" if col == "host" else "right")

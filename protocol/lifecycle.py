@@ -19,6 +19,17 @@ ENV = "L2L_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
+def exit_status(code: int) -> str:
+    """How a child ended, in words: "exited with status 1", or "was killed by SIGKILL"
+    (subprocess gives a signal as a negative code, which says little to a reader)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 def die_with_parent() -> None:
     parent = os.environ.get(ENV)
     if not parent or not sys.platform.startswith("linux"):

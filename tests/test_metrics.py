@@ -75,3 +75,18 @@ def test_metrics_on_a_routable_address_need_insecure():
     with pytest.raises(ValueError, match="--insecure"):
         ServerConfig(metrics_port=9400, metrics_host="0.0.0.0")
     assert ServerConfig(metrics_port=9400, metrics_host="0.0.0.0", insecure=True)
+
+
+def test_a_busy_metrics_port_is_named_as_the_metrics_port():
+    import socket
+
+    from eps_server import metrics
+    from eps_server.stats import EpsStats
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"metrics endpoint 127.0.0.1:{port} "
+                                          r"\(--metrics-port\): Address already in use"):
+            metrics.serve(port, "127.0.0.1", False, EpsStats(), lambda: None)
