@@ -40,6 +40,7 @@ from .console import Console
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
+BYE_GRACE = 3.0  # on a stop, the workers' head start over the EPS
 
 
 @dataclass
@@ -341,20 +342,24 @@ class Launcher:
         return self._start_job(extra, replacement=True)
 
     def stop_all(self) -> None:
-        """Stop every child still running (SIGTERM, then SIGKILL), then remove what the run
-        left in shared memory (named after the run id)."""
+        """Stop every child still running: SIGTERM to the workers, then to the EPS (a worker's
+        Bye needs it) once they exited or BYE_GRACE passed, SIGKILL at STOP_GRACE; then
+        remove what the run left in shared memory (named after the run id)."""
         alive = [c for c in self.children if c.proc.poll() is None]
-        workers_first = sorted(alive, key=lambda c: c.name == "eps")
-        for c in workers_first:
-            _signal(c.proc, signal.SIGTERM)
-            _signal(c.proc, signal.SIGCONT)  # a stopped (hung) process handles it too
         deadline = time.monotonic() + STOP_GRACE
-        for c in workers_first:
-            try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(c.proc, signal.SIGKILL)
-                c.proc.wait()
+        for last in (False, True):
+            group = [c for c in alive if (c.name == "eps") == last]
+            for c in group:
+                _signal(c.proc, signal.SIGTERM)
+                _signal(c.proc, signal.SIGCONT)  # a stopped (hung) process handles it too
+            end = deadline if last else min(deadline, time.monotonic() + BYE_GRACE)
+            for c in alive if last else group:
+                try:
+                    c.proc.wait(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    if last:
+                        _signal(c.proc, signal.SIGKILL)
+                        c.proc.wait()
         for c in self.children:
             for t in c.threads:
                 t.join(timeout=2.0)

@@ -158,6 +158,8 @@ def test_ctrl_c_stops_everything(tmp_path, reap):
     assert_nothing_left(endpoint, run_id)
     s = json.loads(summary.read_text())  # the steps it trained, though no worker summed up
     assert s["steps"] >= 1 and s["samples_per_sec"] > 0
+    for w in ("w0", "w1"):  # the workers are stopped before the EPS: their Bye is answered
+        assert "bye not acknowledged" not in (tmp_path / "runs" / run_id / f"{w}.log").read_text()
 
 
 def test_a_worker_that_has_finished_ignores_sigterm(tmp_path):
