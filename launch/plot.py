@@ -76,13 +76,13 @@ def plot(paths: list[str], png: str, labels: list[str] | None = None, window: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="l2l-plot", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="l2l-plot", description=__doc__.split("\n")[0])
     p.add_argument("summaries", nargs="+", help="summary.json files of finished runs")
     p.add_argument("--png", required=True, help="write the figure here")
     p.add_argument("--labels", default="", help="comma-separated names, one per summary "
                    "(default: each run's directory name)")
-    p.add_argument("--window", type=int, default=10, help="steps in the loss moving average")
+    p.add_argument("--window", type=int, default=10,
+                   help="steps in the loss moving average (default: %(default)s)")
     a = p.parse_args(argv)
     labels = a.labels.split(",") if a.labels else None
     if labels and len(labels) != len(a.summaries):
