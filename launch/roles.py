@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from eps_server.config import ServerConfig, available_cores
 from protocol import cli
-from protocol.checkpoints import latest
+from protocol.checkpoints import is_root
 from worker.config import WorkerArgs
 
 from .config import LaunchArgs
@@ -46,9 +46,11 @@ def run_role(args: LaunchArgs) -> int:
         run_dir = os.path.join(a.runs_dir, run_id)
         os.makedirs(run_dir, exist_ok=True)
         cfg = server_config(args, a.endpoint or args.server.endpoint, run_id)
-        if cfg.save and latest(cfg.save):
+        if cfg.save and os.path.isdir(cfg.save) and is_root(cfg.save):
             # A restarted EPS (its container's restart policy) continues from its last
             # checkpoint, not from the job's --load; workers that lost it rejoin at that step.
+            # Loaded as --load is, so a damaged one is refused, naming the file (taken for
+            # no checkpoint, the run started again from step 0 and pruned it).
             cfg = replace(cfg, load=cfg.save)
         cli.write_file(args, os.path.join(run_dir, "config.json"))  # the job as resolved
         return run(cfg)

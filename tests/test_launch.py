@@ -251,6 +251,34 @@ def test_a_worker_that_fails_while_the_eps_starts_is_seen_at_once(tmp_path, monk
     assert all(c.proc.poll() is not None for c in job.children)  # the EPS is stopped too
 
 
+def test_a_restarted_eps_role_resumes_even_from_a_damaged_checkpoint(tmp_path, monkeypatch):
+    """--role eps with a checkpoint under --server-save loads it as --load does (where a damaged
+    one is refused, naming the file); a damaged one was taken for none: the run started again
+    from step 0 and its first checkpoint pruned the old one. No checkpoint: a fresh start."""
+    import eps_server.__main__ as eps_main
+    from launch.config import LaunchArgs
+    from launch.roles import run_role
+    from protocol import cli
+
+    got = []
+    monkeypatch.setattr(eps_main, "run", lambda cfg: got.append(cfg.load) or 0)
+    ck = tmp_path / "ck"
+
+    def role() -> str:
+        args = cli.parse(LaunchArgs, ["--role", "eps", "--runs-dir", str(tmp_path / "runs"),
+                                      "--run-id", "r1", "--server-save", str(ck)], "l2l-launch")
+        assert run_role(args) == 0
+        return got.pop()
+
+    assert role() == ""  # no folder yet
+    ck.mkdir()
+    assert role() == ""  # an empty one
+    (ck / "step-00000010").mkdir()
+    (ck / "step-00000010" / "state.json").write_text('{"st')  # truncated
+    (ck / "latest").write_text("step-00000010")
+    assert role() == str(ck)
+
+
 def test_the_eps_gets_the_cores_its_workers_leave(monkeypatch):
     """--server-threads 0 (the default): l2l-launch (and each container's --role eps) gives the
     EPS the cores left after every worker's --threads, at least one; an eps-server on its own
