@@ -34,7 +34,7 @@ from protocol import events
 from protocol.checkpoints import latest
 from protocol.lifecycle import ENV as PARENT_ENV
 from protocol.lifecycle import exit_status
-from protocol.shm import unlink_prefix
+from protocol.shm import unlink_run
 
 from .console import Console
 
@@ -363,7 +363,7 @@ class Launcher:
         for c in self.children:
             for t in c.threads:
                 t.join(timeout=2.0)
-        leaked = unlink_prefix(f"l2l-{self.run_id}-")
+        leaked = unlink_run(self.run_id)
         if leaked:
             self.console.note(f"l2l-launch: removed shared memory left by the run: "
                               f"{', '.join(leaked)}")

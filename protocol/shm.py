@@ -167,6 +167,25 @@ def unlink_prefix(prefix: str) -> list[str]:
     return removed
 
 
+def unlink_run(run_id: str) -> list[str]:
+    """Remove run ``run_id``'s regions and lock file, unless a live server holds the lock (a
+    second launch of the same run id must not take a running job's memory away); returns
+    the names removed. For launchers, once their EPS has exited (SIGKILL leaves them)."""
+    lock = _lock_path(run_id)
+    fd = _try_lock(lock, create=False)
+    if fd is None and os.path.exists(lock):
+        return []  # held: a live server's
+    try:
+        removed = _unlink(list_regions(f"l2l-{run_id}-"), keep=os.path.basename(lock))
+        if fd is not None:
+            os.unlink(lock)
+            removed.append(os.path.basename(lock))
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return removed
+
+
 class RunLock:
     """Held by an EPS for as long as it runs: an exclusive flock on ``l2l-<run>-lock`` in
     /dev/shm (the kernel drops it when the process dies, however it dies). The file outlives

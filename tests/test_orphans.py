@@ -121,3 +121,17 @@ def test_l2l_ctl_cleanup(runs):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[dead] == {"regions": 3, "bytes": 3 * 4096}
     assert regions_of(dead) == [] and len(regions_of(live)) == 4
+
+
+def test_a_launcher_removes_its_runs_memory_only_when_no_live_server_holds_it(runs):
+    """After its EPS exited, a launcher removes the run's regions and lock (a SIGKILLed EPS
+    leaves them); but a second launch of a run id in use, refused, must not take the running
+    job's memory (and lock) away: its replacement workers then failed to attach."""
+    from protocol.shm import unlink_run
+
+    live = runs("live")
+    assert unlink_run(live) == [] and len(regions_of(live)) == 4  # 3 regions and the lock
+    dead = runs("die")
+    before = regions_of(dead)
+    assert len(before) == 4 and sorted(unlink_run(dead)) == sorted(before)
+    assert regions_of(dead) == []
