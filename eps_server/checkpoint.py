@@ -10,11 +10,14 @@ checksum for every file).
 
 A checkpoint is written under a temporary name (files fsynced), renamed into place, and only
 then made ``latest``; the oldest beyond ``keep`` are removed after that. A root that holds
-anything but checkpoints is refused, never written into.
+anything but checkpoints is refused, never written into. One process at a time writes a root
+(an flock on its ``.lock``): a serving EPS holds its --server-save from the start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -29,9 +32,14 @@ from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, pla
 FORMAT = 2  # 2: a root of checkpoint directories, checksums
 
 
+LOCK = ".lock"  # in a root: flock-ed by the process writing checkpoints there
+_held: dict[str, int] = {}  # roots this process holds for its lifetime -> their lock's fd
+
+
 def check_target(root: str) -> None:
     """Raise ValueError unless ``root`` may receive checkpoints: it does not exist (its parent
-    does), is an empty directory, or is a checkpoint root. Anything else is left alone."""
+    does), is an empty directory (hidden entries aside: the lock, unfinished writes), or is a
+    checkpoint root. Anything else is left alone."""
     root = os.path.abspath(root)
     if not os.path.exists(root):
         if not os.path.isdir(os.path.dirname(root)):
@@ -39,9 +47,55 @@ def check_target(root: str) -> None:
         return
     if not os.path.isdir(root):
         raise ValueError(f"{root} exists and is not a directory; not overwriting it")
-    if os.listdir(root) and not layout_on_disk.is_root(root):
+    if [n for n in os.listdir(root) if not n.startswith(".")] and \
+            not layout_on_disk.is_root(root):
         raise ValueError(f"{root} is a non-empty directory that is not a checkpoint root; "
                          "not writing into it")
+
+
+def _lock(root: str) -> int:
+    """Make ``root`` (an unwritable one fails here) and take its lock: an fd. Two processes
+    writing one root pruned each other's checkpoints, even those being written."""
+    check_target(root)
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write checkpoints to {root}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"checkpoint folder {root} is in use by another process (two writing "
+                         "one folder prune each other's checkpoints)") from None
+    return fd
+
+
+def hold_root(root: str) -> None:
+    """Hold ``root`` (--server-save) until ``release_root``: made and locked now, so that an
+    unwritable or busy one is refused before training, not at its first checkpoint."""
+    root = os.path.abspath(root)
+    if root not in _held:
+        _held[root] = _lock(root)
+
+
+def release_root(root: str) -> None:
+    fd = _held.pop(os.path.abspath(root), None)
+    if fd is not None:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _holding(root: str):
+    """``root`` locked for one checkpoint (l2l-ctl save to a folder), unless held already."""
+    if root in _held:
+        yield
+        return
+    fd = _lock(root)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _write_json(path: str, obj) -> dict:
@@ -56,9 +110,12 @@ def _write_json(path: str, obj) -> dict:
 def save(root: str, store, optimizers, extra: dict, keep: int = 1) -> str:
     """Write the store's master and the optimizers' state at a step boundary (on an engine,
     the others parked) as a new checkpoint under ``root``; returns its directory."""
-    check_target(root)
     root = os.path.abspath(root)
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    with _holding(root):
+        return _save(root, store, optimizers, extra, keep)
+
+
+def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
     name = _new_name(root, layout_on_disk.step_name(store.step))
     tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

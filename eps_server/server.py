@@ -106,6 +106,8 @@ class EpsServer:
         # First: a server refused here has touched nothing (regions, checkpoints) of the one
         # serving the socket.
         self._claim = IpcClaim(self.cfg.endpoint)
+        if self.cfg.save:  # made and locked: unwritable or another server's fails now
+            checkpoint.hold_root(self.cfg.save)
         self._lock = RunLock(self.run_id)  # before any region: ours are never "orphaned"
         if stale := self._lock.remove_stale():
             log.warning("removed %d shared-memory regions left by an earlier server of run %s",
@@ -177,6 +179,8 @@ class EpsServer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        if self.cfg.save:
+            checkpoint.release_root(self.cfg.save)
         self.tracer.close()
         return stats
 

@@ -61,14 +61,45 @@ def test_the_newest_k_are_kept(trained, tmp_path):
         written.append(save(trained, root, keep=2))
         time.sleep(0.01)  # distinct modification times
     assert len(set(written)) == 4  # the same step saved again gets a new directory
-    assert sorted(os.path.join(root, n) for n in os.listdir(root) if n != LATEST) == \
-        sorted(written[-2:])
+    assert sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if n not in (LATEST, checkpoint.LOCK)) == sorted(written[-2:])
     assert resolve(str(root)) == written[-1]
     assert checkpoint.read_meta(str(root)).path == written[-1]
     with pytest.raises(ValueError, match="not a checkpoint root"):
         (tmp_path / "notes").mkdir()
         (tmp_path / "notes" / "a.txt").write_text("keep")
         save(trained, tmp_path / "notes")
+
+
+def test_a_checkpoint_folder_has_one_writer_and_is_checked_before_training(trained, tmp_path):
+    """Two servers given one --server-save pruned each other's checkpoints, even those being
+    written: the second is refused at start, before training; so is a folder that cannot be
+    made (it used to fail at the first checkpoint, after the training it was to keep)."""
+    import subprocess
+
+    from .helpers import ENV
+
+    root = tmp_path / "ckpt"
+
+    def server(save: str):
+        return subprocess.run([sys.executable, "-m", "eps_server", "--endpoint",
+                               f"ipc://{tmp_path}/other.sock", "--world-size", "1",
+                               "--server-save", save, "--exit-when-done"], env=ENV,
+                              capture_output=True, text=True, timeout=60)
+
+    checkpoint.hold_root(str(root))  # as a serving EPS holds its --server-save
+    try:
+        save(trained, root)  # its own checkpoints still go there
+        out = server(str(root))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"checkpoint folder {root} is in use by another process" in out.stderr
+        assert sorted(os.listdir(root)) == sorted([".lock", LATEST, "step-00000001"])
+    finally:
+        checkpoint.release_root(str(root))
+    assert save(trained, root)  # released: a folder may be written by one process at a time
+    out = server("/proc/1/ckpt")
+    assert out.returncode == 2 and "cannot write checkpoints to /proc/1/ckpt" in out.stderr, \
+        out.stderr
 
 
 @pytest.mark.slow
