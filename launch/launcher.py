@@ -21,7 +21,6 @@ fails the job.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import signal
@@ -37,6 +36,7 @@ from protocol.lifecycle import exit_status
 from protocol.shm import unlink_run
 
 from .console import Console
+from .results import eval_result, step_row
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
@@ -145,13 +145,7 @@ class Launcher:
             by_rank[ev.rank] = ev
             if len(by_rank) != len(self.worker_argvs):
                 return
-            rows = list(by_rank.values())
-            slowest = max(rows, key=lambda r: r.seconds)
-            row = {"step": ev.step, "loss": sum(r.loss for r in rows),
-                   "accuracy": sum(r.correct for r in rows) / max(1, sum(r.count for r in rows)),
-                   "seconds": slowest.seconds, "samples": sum(r.samples for r in rows),
-                   "fetch_wait": slowest.fetch_wait, "push_wait": slowest.push_wait,
-                   "compute": slowest.seconds - slowest.fetch_wait - slowest.push_wait}
+            row = step_row(ev.step, list(by_rank.values()))
             self.progress.append(row)
         self.console.step(row)
 
@@ -259,8 +253,14 @@ class Launcher:
             code = self.server.proc.poll()  # first: its workers fail when it is gone
             if code not in (None, 0):
                 what = f"eps-server {exit_status(code)} while workers ran"
-                if not self._may_restart(what) or not self._restart_job(what):
-                    return 1
+                while True:  # again while restarts last, if the EPS dies as it starts
+                    if not self._may_restart(what):
+                        return 1
+                    if self._restart_job(what):
+                        break
+                    if self.server.proc.poll() is None:  # not the EPS: a worker, a timeout
+                        return 1
+                    what = self.failure
                 server_gone = None
                 continue
             if not self._check_workers():
@@ -371,14 +371,6 @@ class Launcher:
     def cleanup(self) -> None:
         """Remove the run's private directory (socket, per-worker summaries)."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def eval_result(step: int, parts: list) -> dict:
-    """One evaluation from the workers' shares: mean loss per term, accuracy, perplexity."""
-    count = max(1, sum(p.count for p in parts))
-    loss = sum(p.loss_sum for p in parts) / count
-    return {"step": step, "loss": loss, "accuracy": sum(p.correct for p in parts) / count,
-            "perplexity": math.exp(min(loss, 50.0)), "count": count}
 
 
 def _stamp(root: str):

@@ -225,6 +225,50 @@ def test_workers_start_with_the_eps_only_when_they_wait_for_it_long_enough(
         shutil.rmtree(launcher.run_dir, ignore_errors=True)
 
 
+def test_a_restarted_eps_that_dies_as_it_starts_is_restarted_again(tmp_path):
+    """--max-restarts covers an EPS that dies before it is ready on a restart (its checkpoint
+    still being read, say), not only one that dies while workers run: here the first EPS dies
+    under the workers, the second as it starts, the third serves until the worker is done."""
+    from launch import launcher as mod
+    from launch.console import Console
+
+    starts, done = tmp_path / "starts", tmp_path / "done"
+    eps = [sys.executable, "-c", f"""
+import os, sys, time
+with open({str(starts)!r}, "a") as f:
+    f.write("x")
+n = len(open({str(starts)!r}).read())
+if n == 2:
+    sys.exit(7)  # dies before it is ready
+events = os.fdopen(int(sys.argv[-1][3:]), "w")
+events.write('{{"event": "ready", "endpoint": "e", "run_id": "r", "pid": %d}}\\n' % os.getpid())
+events.flush()
+if n == 1:
+    time.sleep(0.5)
+    sys.exit(9)  # dies while the worker runs
+while not os.path.exists({str(done)!r}):
+    time.sleep(0.05)
+"""]
+    worker = [sys.executable, "-c", f"import time; time.sleep(1); open({str(done)!r}, 'w')"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    console = Console(4, str(tmp_path), quiet=True, out=io.StringIO(), tty=False)
+    job = mod.Launcher(eps, [worker], "test-restart", str(run_dir), 4, console,
+                       max_restarts=2, early_workers=True)
+    assert job.run() == 0, job.failure
+    assert starts.read_text() == "xxx"
+    assert [r["cause"] for r in job.restarts] == [
+        "eps-server exited with status 9 while workers ran",
+        "eps-server exited with status 7 before it was ready"]
+    job2 = mod.Launcher(eps, [worker], "test-restart", str(run_dir), 4, console,
+                        max_restarts=1, early_workers=True)
+    starts.unlink()
+    done.unlink()
+    assert job2.run() == 1  # one restart: the EPS dying again as it starts ends the job
+    assert job2.failure == ("eps-server exited with status 7 before it was ready; no restarts "
+                            "left (--max-restarts 1)")
+
+
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_worker_that_fails_while_the_eps_starts_is_seen_at_once(tmp_path, monkeypatch,
                                                                   restarts):

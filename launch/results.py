@@ -1,0 +1,27 @@
+"""How the launcher puts the workers' parts together: a step's row (the console line and the
+summary's per-step lists) and an evaluation."""
+
+from __future__ import annotations
+
+import math
+
+from protocol import events
+
+
+def step_row(step: int, parts: list[events.StepDone]) -> dict:
+    """Every rank's report of ``step``: the loss is the sum of their shares of the global mean,
+    the time and waits its slowest worker's."""
+    slowest = max(parts, key=lambda r: r.seconds)
+    return {"step": step, "loss": sum(r.loss for r in parts),
+            "accuracy": sum(r.correct for r in parts) / max(1, sum(r.count for r in parts)),
+            "seconds": slowest.seconds, "samples": sum(r.samples for r in parts),
+            "fetch_wait": slowest.fetch_wait, "push_wait": slowest.push_wait,
+            "compute": slowest.seconds - slowest.fetch_wait - slowest.push_wait}
+
+
+def eval_result(step: int, parts: list[events.EvalDone]) -> dict:
+    """One evaluation from the workers' shares: mean loss per term, accuracy, perplexity."""
+    count = max(1, sum(p.count for p in parts))
+    loss = sum(p.loss_sum for p in parts) / count
+    return {"step": step, "loss": loss, "accuracy": sum(p.correct for p in parts) / count,
+            "perplexity": math.exp(min(loss, 50.0)), "count": count}
