@@ -71,6 +71,7 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
     for layer in range(core.store.num_layers):
         core.store.publish(layer)
         core.store.set_version(layer, step)
+    core.scheduler.loaded(loaded.path, step, loaded.state)
     log.info("resumed from %s at step %d", loaded.path, step)
     return core
 

@@ -17,6 +17,7 @@ layer is at the target, writes while the engines are parked, and releases them (
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -203,7 +204,7 @@ class UpdateScheduler:
     def _saved(self, done: Done) -> list:
         ticket, path, target, extra = done.job.ticket
         if done.error is None:
-            self._last_saved[path] = (target, extra)
+            self._last_saved[os.path.abspath(path)] = (target, _settings(extra))
         self._saves.popleft()
         self._writing = False
         self._hold_from = None
@@ -213,6 +214,12 @@ class UpdateScheduler:
         self._begin_save()
         error = None if done.error is None else f"{type(done.error).__name__}: {done.error}"
         return [Saved(ticket, path, target, error)]
+
+    def loaded(self, directory: str, step: int, state: dict) -> None:
+        """Resumed from checkpoint ``directory`` at ``step``: a final checkpoint of that step
+        with the same settings into its root would only repeat it (and prune it)."""
+        self._last_saved[os.path.dirname(os.path.abspath(directory))] = (
+            step, _settings({k: state.get(k) for k in self.checkpoint_extra()}))
 
     def checkpoint_extra(self) -> dict:
         return {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
@@ -226,9 +233,16 @@ class UpdateScheduler:
                         "saving a mixed state; the last checkpoint stands", min(self.versions),
                         max(self.versions), len(self.pending))
             return
-        if self._last_saved.get(path) == (self.store.step, self.checkpoint_extra()):
+        if self._last_saved.get(os.path.abspath(path)) == (
+                self.store.step, _settings(self.checkpoint_extra())):
             log.info("step %d is saved in %s already", self.store.step, path)
             return
         checkpoint.save(path, self.store, [m.optimizer for m in self.engines.layers],
                         self.checkpoint_extra(), self.cfg.keep_checkpoints)
         log.info("final checkpoint of step %d written to %s", self.store.step, path)
+
+
+def _settings(extra: dict) -> dict:
+    """What makes two checkpoints of one step differ: all but the run id, which a resumed run
+    may change."""
+    return {k: v for k, v in extra.items() if k != "run_id"}

@@ -197,9 +197,10 @@ class Launcher:
             entry = pending[-1]
             entry.update(rejoined_after=round(time.monotonic() - entry.pop("_t"), 3),
                          resumed_step=ev.step, layers_already_pushed=ev.pushed)
+        left = f"it redoes step {ev.step + 1} ({ev.pushed} of its layers were pushed " \
+            "already)" if ev.step < self.steps else "its steps were all done already"
         self.console.note(f"l2l-launch: w{ev.rank} rejoined {entry['rejoined_after']:.1f} s "
-                          f"later; it redoes step {ev.step + 1} ({ev.pushed} of its layers were "
-                          "pushed already)")
+                          f"later; {left}")
 
     def _start_job(self, extra: list[str] = (), replacement: bool = False) -> bool:
         """Start the EPS and every worker; wait until the EPS is ready. ``early_workers``: the
@@ -335,7 +336,7 @@ class Launcher:
                               "steps_replayed": max(0, done - start)})
         self.console.note(
             f"l2l-launch: {what}; restarting the job from "
-            f"{f'the checkpoint of step {step}' if step is not None else 'its start'} "
+            f"{f'the checkpoint of step {step}' if step is not None else 'where it began'} "
             f"({len(self.restarts)}/{self.max_restarts}): {max(0, done - start)} "
             "completed steps are lost and trained again")
         extra = ["--load", self.checkpoints] if step is not None else []

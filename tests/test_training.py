@@ -136,6 +136,12 @@ def test_a_step_checkpointed_on_schedule_is_not_written_again_at_exit(cluster, t
                     server_args=("--server-save", str(ckpt), "--checkpoint-every", "2"))
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000002"]
     assert "step 2 is saved in" in cluster.log(cluster.server)
+    # Resumed from it and stopped before another step (a restarted job, say): the same.
+    cluster.close()
+    cluster.run_job(1, *SMALL, "--steps", "2",
+                    server_args=("--load", str(ckpt), "--server-save", str(ckpt)))
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000002"]
+    assert "step 2 is saved in" in cluster.log(cluster.server)
 
 
 @pytest.mark.parametrize("model, extra", [
