@@ -305,9 +305,12 @@ def trace_split(path: str, skip: int = 0) -> dict[str, float]:
     spans = sorted((e for e in events if e.get("ph") == "X" and e["pid"] in workers and
                     names.get((e["pid"], e["tid"])) == "MainThread"),
                    key=lambda e: (e["ts"], -e["dur"]))
-    starts = [e["ts"] for e in spans if e["name"] == "data"]
-    if 0 < skip < len(starts):
-        spans = [e for e in spans if e["ts"] >= starts[skip]]
+    starts: dict[int, list] = defaultdict(list)  # each worker's steps
+    for e in spans:
+        if e["name"] == "data":
+            starts[e["pid"]].append(e["ts"])
+    spans = [e for e in spans if skip <= 0 or len(starts[e["pid"]]) <= skip or
+             e["ts"] >= starts[e["pid"]][skip]]
     own: dict[str, float] = defaultdict(float)
     stack: list[tuple[float, str]] = []  # (end, category) of the open spans
     for e in spans:
@@ -317,5 +320,5 @@ def trace_split(path: str, skip: int = 0) -> dict[str, float]:
             own[stack[-1][1]] -= e["dur"]
         own[e["cat"]] += e["dur"]
         stack.append((e["ts"] + e["dur"], e["cat"]))
-    steps = max(1, sum(1 for e in spans if e["name"] == "data"))
+    steps = max(1, sum(1 for e in spans if e["name"] == "data"))  # summed over workers
     return {cat: us / 1e6 / steps for cat, us in sorted(own.items())}

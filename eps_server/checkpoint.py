@@ -17,8 +17,10 @@ anything but checkpoints is refused, never written into. One process at a time w
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -30,16 +32,22 @@ from protocol.safetensors_io import SafetensorsFile, write_safetensors
 from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, plan_layout, views
 
 FORMAT = 2  # 2: a root of checkpoint directories, checksums
+log = logging.getLogger("eps_server")
 
 
 LOCK = ".lock"  # in a root: flock-ed by the process writing checkpoints there
-_held: dict[str, int] = {}  # roots this process holds for its lifetime -> their lock's fd
+_held: dict[str, int | None] = {}  # realpath of each root a server holds -> its lock's fd
+
+
+def _ours(name: str) -> bool:
+    """Hidden entries this module makes in a root: the lock, unfinished writes."""
+    return name == LOCK or (name.startswith(".") and ".tmp-" in name)
 
 
 def check_target(root: str) -> None:
     """Raise ValueError unless ``root`` may receive checkpoints: it does not exist (its parent
-    does), is an empty directory (hidden entries aside: the lock, unfinished writes), or is a
-    checkpoint root. Anything else is left alone."""
+    does), is an empty directory (but for our lock and unfinished writes), or is a checkpoint
+    root. Anything else is left alone."""
     root = os.path.abspath(root)
     if not os.path.exists(root):
         if not os.path.isdir(os.path.dirname(root)):
@@ -47,15 +55,15 @@ def check_target(root: str) -> None:
         return
     if not os.path.isdir(root):
         raise ValueError(f"{root} exists and is not a directory; not overwriting it")
-    if [n for n in os.listdir(root) if not n.startswith(".")] and \
-            not layout_on_disk.is_root(root):
+    if [n for n in os.listdir(root) if not _ours(n)] and not layout_on_disk.is_root(root):
         raise ValueError(f"{root} is a non-empty directory that is not a checkpoint root; "
                          "not writing into it")
 
 
-def _lock(root: str) -> int:
-    """Make ``root`` (an unwritable one fails here) and take its lock: an fd. Two processes
-    writing one root pruned each other's checkpoints, even those being written."""
+def _lock(root: str) -> int | None:
+    """Make ``root`` (an unwritable one fails here) and take its lock: an fd, or None where
+    the file system has no locks (a warning). Two processes writing one root pruned each
+    other's checkpoints, even those being written."""
     check_target(root)
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
@@ -64,23 +72,30 @@ def _lock(root: str) -> int:
         raise OSError(e.errno, f"cannot write checkpoints to {root}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
         os.close(fd)
-        raise ValueError(f"checkpoint folder {root} is in use by another process (two writing "
-                         "one folder prune each other's checkpoints)") from None
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise ValueError(f"checkpoint folder {root} is in use by another process (two "
+                             "writing one folder prune each other's checkpoints)") from None
+        log.warning("checkpoint folder %s: its file system refuses locks (%s); nothing keeps "
+                    "a second writer out", root, e.strerror)  # Lustre without -o flock, ...
+        return None
     return fd
 
 
-def hold_root(root: str) -> None:
+def hold_root(root: str) -> bool:
     """Hold ``root`` (--server-save) until ``release_root``: made and locked now, so that an
-    unwritable or busy one is refused before training, not at its first checkpoint."""
-    root = os.path.abspath(root)
-    if root not in _held:
-        _held[root] = _lock(root)
+    unwritable or busy one is refused before training, not at its first checkpoint. False if
+    this process holds it already (then it is not this caller's to release)."""
+    root = os.path.realpath(root)
+    if root in _held:
+        return False
+    _held[root] = _lock(root)
+    return True
 
 
 def release_root(root: str) -> None:
-    fd = _held.pop(os.path.abspath(root), None)
+    fd = _held.pop(os.path.realpath(root), None)
     if fd is not None:
         os.close(fd)
 
@@ -88,14 +103,15 @@ def release_root(root: str) -> None:
 @contextlib.contextmanager
 def _holding(root: str):
     """``root`` locked for one checkpoint (l2l-ctl save to a folder), unless held already."""
-    if root in _held:
+    if os.path.realpath(root) in _held:
         yield
         return
     fd = _lock(root)
     try:
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _write_json(path: str, obj) -> dict:
@@ -175,7 +191,7 @@ def _prune(root: str, current: str, keep: int) -> None:
     the others and what an interrupted writer left."""
     entries = os.listdir(root)
     for n in entries:
-        if n.startswith(".") and ".tmp-" in n:
+        if _ours(n) and n != LOCK:
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     done = [n for n in entries if n.startswith(layout_on_disk.PREFIX)
             and os.path.isdir(os.path.join(root, n))]

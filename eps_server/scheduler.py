@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from protocol import checkpoints as layout_on_disk
+
 from . import checkpoint
 from .config import ServerConfig
 from .engines import Apply, Done, Engines, Exclusive, Measure, Update
@@ -216,10 +218,17 @@ class UpdateScheduler:
         return [Saved(ticket, path, target, error)]
 
     def loaded(self, directory: str, step: int, state: dict) -> None:
-        """Resumed from checkpoint ``directory`` at ``step``: a final checkpoint of that step
-        with the same settings into its root would only repeat it (and prune it)."""
-        self._last_saved[os.path.dirname(os.path.abspath(directory))] = (
-            step, _settings({k: state.get(k) for k in self.checkpoint_extra()}))
+        """Resumed from checkpoint ``directory`` at ``step``: if it is its root's latest, a
+        final checkpoint of that step with the same settings there would only repeat it (and
+        prune it). (An older one loaded is written again: it becomes the latest.)"""
+        root = os.path.dirname(os.path.abspath(directory))
+        try:
+            if os.path.realpath(layout_on_disk.resolve(root)) != os.path.realpath(directory):
+                return
+        except (OSError, ValueError):
+            return
+        self._last_saved[root] = (step, _settings({k: state.get(k)
+                                                   for k in self.checkpoint_extra()}))
 
     def checkpoint_extra(self) -> dict:
         return {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),

@@ -79,6 +79,7 @@ class EpsServer:
         self._lock: RunLock | None = None
         self._claim: IpcClaim | None = None  # the ipc socket file, ours while we serve
         self._serving = False  # bound: a server that never was writes no final checkpoint
+        self._holds_root = False  # the --server-save lock is this server's to release
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
@@ -107,7 +108,7 @@ class EpsServer:
         # serving the socket.
         self._claim = IpcClaim(self.cfg.endpoint)
         if self.cfg.save:  # made and locked: unwritable or another server's fails now
-            checkpoint.hold_root(self.cfg.save)
+            self._holds_root = checkpoint.hold_root(self.cfg.save)
         self._lock = RunLock(self.run_id)  # before any region: ours are never "orphaned"
         if stale := self._lock.remove_stale():
             log.warning("removed %d shared-memory regions left by an earlier server of run %s",
@@ -179,8 +180,9 @@ class EpsServer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        if self.cfg.save:
+        if self._holds_root:
             checkpoint.release_root(self.cfg.save)
+            self._holds_root = False
         self.tracer.close()
         return stats
 

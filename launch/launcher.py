@@ -259,7 +259,7 @@ class Launcher:
                         return 1
                     if self._restart_job(what):
                         break
-                    if self.server.proc.poll() is None:  # not the EPS: a worker, a timeout
+                    if not self.failure.endswith("before it was ready"):  # a worker, a timeout
                         return 1
                     what = self.failure
                 server_gone = None

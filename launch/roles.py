@@ -46,7 +46,7 @@ def run_role(args: LaunchArgs) -> int:
         run_dir = os.path.join(a.runs_dir, run_id)
         os.makedirs(run_dir, exist_ok=True)
         cfg = server_config(args, a.endpoint or args.server.endpoint, run_id)
-        if cfg.save and os.path.isdir(cfg.save) and is_root(cfg.save):
+        if cfg.save and _has_checkpoints(cfg.save):
             # A restarted EPS (its container's restart policy) continues from its last
             # checkpoint, not from the job's --load; workers that lost it rejoin at that step.
             # Loaded as --load is, so a damaged one is refused, naming the file (taken for
@@ -64,3 +64,10 @@ def run_role(args: LaunchArgs) -> int:
         stem, ext = os.path.splitext(a.summary_json)
         summary = a.summary_json if "{rank}" in a.summary_json else f"{stem}-{{rank}}{ext}"
     return run(worker_args(args, a.endpoint or args.worker.endpoint, a.rank, summary))
+
+
+def _has_checkpoints(root: str) -> bool:
+    try:
+        return os.path.isdir(root) and is_root(root)
+    except OSError:  # unreadable: the EPS says so as it takes the folder
+        return False

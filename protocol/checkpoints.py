@@ -35,8 +35,10 @@ def is_root(path: str) -> bool:
 
 
 def resolve(path: str) -> str:
-    """The checkpoint directory ``path`` names: itself (a checkpoint directory) or the one a
-    root's ``latest`` points to."""
+    """The checkpoint directory ``path`` names: itself (a checkpoint directory), the one a
+    root's ``latest`` points to, or, in a root without ``latest`` (its writer was stopped
+    between renaming its first checkpoint into place and pointing ``latest`` at it), the
+    newest: a ``step-*`` directory is complete once it has that name."""
     if os.path.isfile(os.path.join(path, "state.json")):
         return path
     latest = os.path.join(path, LATEST)
@@ -46,7 +48,18 @@ def resolve(path: str) -> str:
         if not name.startswith(PREFIX) or "/" in name:
             raise ValueError(f"{latest}: not a checkpoint name ({name!r})")
         return os.path.join(path, name)
+    done = [n for n in os.listdir(path) if _order(n) and os.path.isdir(os.path.join(path, n))]
+    if done:
+        return os.path.join(path, max(done, key=_order))
     raise FileNotFoundError(f"no checkpoint at {path} (no state.json, no {LATEST})")
+
+
+def _order(name: str) -> tuple[int, int] | None:
+    """(step, N) of ``step-<step>[-N]`` (a later save of the same step gets N), else None."""
+    step, _, n = name[len(PREFIX):].partition("-")
+    if name.startswith(PREFIX) and step.isdigit() and (n.isdigit() or not n):
+        return int(step), int(n or 0)
+    return None
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:

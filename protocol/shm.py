@@ -172,8 +172,8 @@ def unlink_run(run_id: str) -> list[str]:
     second launch of the same run id must not take a running job's memory away); returns
     the names removed. For launchers, once their EPS has exited (SIGKILL leaves them)."""
     lock = _lock_path(run_id)
-    fd = _try_lock(lock, create=False)
-    if fd is None and os.path.exists(lock):
+    fd = _try_lock(lock, create=False)  # (while it is held here, a server of this run id
+    if fd is None and os.path.exists(lock):  # starting is refused: "in use"; it is brief)
         return []  # held: a live server's
     try:
         removed = _unlink(list_regions(f"l2l-{run_id}-"), keep=os.path.basename(lock))

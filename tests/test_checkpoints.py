@@ -9,6 +9,7 @@ import random
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -100,6 +101,56 @@ def test_a_checkpoint_folder_has_one_writer_and_is_checked_before_training(train
     out = server("/proc/1/ckpt")
     assert out.returncode == 2 and "cannot write checkpoints to /proc/1/ckpt" in out.stderr, \
         out.stderr
+
+
+def test_a_root_without_latest_resolves_to_its_newest_checkpoint(tmp_path):
+    """A writer stopped between renaming its first checkpoint into place and writing `latest`
+    leaves a complete one: a restart resumes from it instead of refusing the root."""
+    for name in ("step-00000003", "step-00000005", "step-00000005-1", ".step-00000007.tmp-1"):
+        (tmp_path / name).mkdir()
+    assert resolve(str(tmp_path)) == str(tmp_path / "step-00000005-1")
+    (tmp_path / LATEST).write_text("step-00000003\n")
+    assert resolve(str(tmp_path)) == str(tmp_path / "step-00000003")
+
+
+def test_only_our_own_hidden_entries_pass_for_an_empty_root(tmp_path):
+    checkpoint.check_target(str(tmp_path))
+    (tmp_path / ".lock").write_text("")
+    (tmp_path / ".step-00000001.tmp-9").mkdir()
+    checkpoint.check_target(str(tmp_path))
+    (tmp_path / ".git").mkdir()  # someone's folder, not a checkpoint root
+    with pytest.raises(ValueError, match="not a checkpoint root"):
+        checkpoint.check_target(str(tmp_path))
+
+
+def test_a_file_system_without_locks_is_written_unguarded(tmp_path, monkeypatch, caplog):
+    import errno
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", refuse)
+    root = str(tmp_path / "ck")
+    assert checkpoint.hold_root(root) and not checkpoint.hold_root(root)  # held once
+    checkpoint.release_root(root)
+    assert "refuses locks (No locks available)" in caplog.text
+
+
+def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(trained,
+                                                                               tmp_path):
+    """Resumed from the root's latest and stopped before training: nothing new written. From
+    an older one: it is written again (it becomes the latest, as a user resuming from it
+    expects of the next --load of the root)."""
+    root = tmp_path / "ck"
+    older = save(trained, root, keep=3)
+    newest = save(trained, root, keep=3)
+    for path, written in ((str(root), False), (older, True)):
+        before = set(os.listdir(root))
+        cfg = replace(trained.cfg, save=str(root), keep_checkpoints=3)
+        core = load_core(cfg, path, cfg.run_id)
+        core.close(final_save=True)
+        assert (set(os.listdir(root)) != before) is written
+    assert resolve(str(root)) not in (older, newest)  # the older one, written again
 
 
 @pytest.mark.slow
