@@ -95,7 +95,8 @@ class EpsCore:
             if handler is None:
                 raise RequestError("bad_message", f"{type(msg).__name__} is not a request",
                                    "kind")
-            if self.broken is not None and type(msg) not in (Status, Bye):
+            observer = type(msg) is Hello and msg.role == "observer"  # l2l-ctl status
+            if self.broken is not None and type(msg) not in (Status, Bye) and not observer:
                 raise RequestError("internal", f"server stopped updating: {self.broken}")
             if type(msg) not in (Status, Bye):
                 self.waiting.check(peer)

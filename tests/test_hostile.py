@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from protocol import codec
-from protocol.messages import Fetch, GradAck, Hello, LayerReady, SetHyper, Status
+from protocol.messages import Ack, Fetch, GradAck, Hello, LayerReady, SetHyper, Status
 from worker.eps_client import EpsClient
 
 from .test_core import error, grad_of
@@ -96,6 +96,12 @@ def test_finite_gradients_whose_sum_overflows_are_refused(make):
     assert "is not finite" in e.message and "left as it was" in e.message
     assert h.core.store.versions[2] == 0 and h.core.broken
     assert torch.equal(h.core.store.master(2), torch.ones(h.core.store.plan(2).numel))
+    # Stopped updating, still watched: l2l-ctl status's observer Hello, then its Status.
+    assert isinstance(h.hello(0, req_id=40, peer=b"ctl", role="observer"), Ack)
+    h.send(0, Status(req_id=41), peer=b"ctl")
+    assert "is not finite" in h.take(0, 41, peer=b"ctl").msg.stats["broken"]
+    h.send(0, Fetch(req_id=42, layer=0, min_version=1))  # a worker's requests: refused
+    assert "stopped updating" in error(h.take(0, 42)).message
 
 
 def test_a_full_shared_memory_is_a_resource_error(make, monkeypatch):
