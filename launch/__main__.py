@@ -54,6 +54,9 @@ def build(args: LaunchArgs) -> Launcher:
     console = Console(args.worker.steps, logs, verbose=a.verbose, quiet=a.quiet,
                       every=a.log_every)
     cli.write_file(args, os.path.join(logs, "config.json"))  # the job as resolved
+    if not a.quiet:  # the socket is private: say where it is
+        console.note(f"l2l-launch: run {run_id}, logs in {logs}; watch it with: l2l-ctl "
+                     f"--endpoint {endpoint} status")
     return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, console,
                     max_restarts=a.max_restarts,
                     checkpoints=os.path.abspath(server.save) if server.save else "",

@@ -36,8 +36,8 @@ class LaunchConfig:
     plan: bool = False
     """Print what the job needs (the EPS's shared memory: a container's shm_size) and exit."""
     endpoint: str = ""
-    """The EPS's endpoint; empty: a private ipc socket in this run's directory (--role all),
-    else eps-server's default (ipc, per user)."""
+    """The EPS's endpoint; empty: a private ipc socket in a folder of its own (--role all; its
+    path is printed at the start, for l2l-ctl), else eps-server's default (ipc, per user)."""
     summary_json: str = ""
     """Write the run summary (losses, accuracy, throughput, peak memory, EPS stats) here;
     --role worker: each worker's own summary, {rank} in the name or -<rank> added."""

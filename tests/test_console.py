@@ -87,6 +87,8 @@ def test_a_job_keeps_its_logs_config_and_summary_in_its_run_directory(tmp_path):
     assert "INFO" not in p.stdout + p.stderr  # the children's chatter is in the files
     run = tmp_path / "runs" / s["run_id"]
     assert "listening on" in (run / "eps.log").read_text()
+    assert (f"l2l-launch: run {s['run_id']}, logs in runs/{s['run_id']}; watch it with: "
+            f"l2l-ctl --endpoint ipc://{tmp_path}/e.sock status") in p.stderr  # the socket
     assert "hello" in (run / "eps.log").read_text().lower()
     assert {"w0.log", "w1.log", "config.json", "summary.json"} <= {f.name for f in
                                                                   run.iterdir()}
