@@ -41,15 +41,19 @@ def parse_value(text: str):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="l2l-ctl", description=__doc__.split("\n")[0])
-    p.add_argument("--endpoint", default=default_endpoint())
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a reply")
+    p.add_argument("--endpoint", default=default_endpoint(),
+                   help="the EPS's endpoint (l2l-launch prints its own at the start; default: "
+                        "%(default)s)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for a reply (default: %(default)s)")
     p.add_argument("--curve-server-key", default="", help="CURVE: the EPS's public key file")
     p.add_argument("--curve-key", default="", help="CURVE: this client's secret key file")
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="the job, its workers and its layers")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    st.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    st.add_argument("--interval", type=float, default=1.0,
+                    help="seconds between redraws (default: %(default)s)")
     s = sub.add_parser("set", help="change optimizer settings from the next layer update, "
                        "e.g. lr=1e-4 clip_norm=1.0")
     s.add_argument("changes", nargs="+", metavar="KEY=VALUE")
