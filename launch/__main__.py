@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{peak / 2**20:.0f} MiB\n" + table(summary_rows(summary, logs), "summary"))
     elif failed:
         say(f"l2l-launch: failed: {launcher.failure} (logs: {logs})", sys.stderr)
+        if args.launch.quiet:  # the children's errors were not shown: their last ones
+            for name, line in launcher.console.errors.items():
+                say(f"  [{name}] {line}", sys.stderr)
     return code
 
 

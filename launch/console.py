@@ -29,6 +29,7 @@ from tqdm import tqdm
 # and the lines of a traceback (shown whole: from "Traceback" to its unindented last line).
 LOUD = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^\S*(Error|Exception)\b|^Fatal Python error")
 TRACEBACK = re.compile(r"^Traceback \(most recent call last\)")
+FATAL = re.compile(r"\b(ERROR|CRITICAL)\b|^\S*(Error|Exception)\b")  # why a child failed
 RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a log record's first line: its time
 SMOOTHING = 0.9  # the bar's loss: an exponential moving average
 
@@ -46,6 +47,7 @@ class Console:
         self._loud: set[str] = set()  # children whose last log record is shown (its next
         #                               lines, until a new record, are the rest of it)
         self._loss: float | None = None
+        self.errors: dict[str, str] = {}  # each child's last error line (--quiet shows them)
         self._bar: tqdm | None = None
         os.makedirs(log_dir, exist_ok=True)
 
@@ -60,6 +62,8 @@ class Console:
                 f = self._files[name] = open(os.path.join(self.log_dir, f"{name}.log"), "a",
                                              buffering=1, encoding="utf-8", errors="replace")
             f.write(line + "\n")
+            if FATAL.search(line):
+                self.errors[name] = line[-500:]
             if TRACEBACK.match(line):
                 self._traceback.add(name)
             if RECORD.match(line):

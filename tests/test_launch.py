@@ -419,3 +419,14 @@ def test_a_worker_summary_path_takes_its_rank_and_the_run_the_eps_names():
     for bad in ("../..", "", "a/b"):  # the run id becomes a folder name: never a path
         with pytest.raises(EpsError, match="run id"):
             summary_file("runs/{run}/w.json", 0, bad)
+
+
+def test_quiet_still_says_why_a_child_failed(tmp_path):
+    """--quiet hides the children's log lines; a failure's own reason is shown with it."""
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("text\tlabel\na\t1\n")
+    p, s, endpoint = launch(tmp_path, "--workers", "1", *SMALL, "--steps", "2", "--data",
+                            str(bad), timeout=120)
+    assert p.returncode == 1 and not s["ok"]
+    assert "l2l-launch: failed: w0 exited with status 1" in p.stderr
+    assert "[w0]" in p.stderr and "needs the model's tokenizer" in p.stderr, p.stderr
