@@ -288,6 +288,9 @@ def test_checkpoint_names_labels_and_windows(tmp_path):
     base = fx.model_dir(tmp_path / "base", "bert-base")
     with pytest.raises(ValueError, match="give --classes"):
         build_model(ModelConfig(model=f"hf:{base}"))
+    gpt2 = fx.model_dir(tmp_path / "gpt2", "gpt2")  # no classifier here: not ignored
+    with pytest.raises(ValueError, match="--classes 2: a gpt2 model trains here as a language"):
+        build_model(ModelConfig(model=f"hf:{gpt2}", classes=2))
     weights = load_file(str(path / "model.safetensors"))
     old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
                                                                      "LayerNorm.beta"): v

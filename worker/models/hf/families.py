@@ -135,6 +135,9 @@ def family_of(config, classes: int = 0) -> Family:
             raise ValueError(f"transformers has no sequence classifier for "
                              f"{config.model_type}: a model trained so could not be loaded")
         family = DECODER_CLASSIFIER
+    if classes and family.objective != "classify":  # it was ignored: trained as an LM
+        raise ValueError(f"--classes {classes}: a {config.model_type} model trains here as a "
+                         "language model only (no classifier head)")
     if config.model_type == "gpt2" and (config.scale_attn_by_inverse_layer_idx
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
