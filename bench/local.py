@@ -25,8 +25,8 @@ class LocalSource:
     def __init__(self, model, layout: Layout, opt: OptimizerConfig, device="cpu"):
         self.flats = [model.init_flat(p.index, p).to(device) for p in layout.layers]
         self.grads = [torch.zeros(p.numel, device=device) for p in layout.layers]
-        self.opts = [make_optimizer(p, f, g, None, opt) for p, f, g in
-                     zip(layout.layers, self.flats, self.grads)]
+        self.opts = [make_optimizer(p, f, None, opt) for p, f in
+                     zip(layout.layers, self.flats)]
         self.lr = opt.lr
 
     def prefetch(self, layer: int, version: int) -> None:
@@ -42,7 +42,7 @@ class LocalSource:
         return 0, self.grads[plan.index]  # padding is never written: stays zero
 
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
-        self.opts[plan.index].step(step, lr=self.lr)
+        self.opts[plan.index].step((self.grads[plan.index],), step, lr=self.lr)
 
     def skip(self, step: int, plan: LayerPlan) -> None:
         pass  # no gradient, no update: as torch's optimizers treat a parameter without grad

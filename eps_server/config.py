@@ -52,8 +52,14 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
     """Floor of the decay, as a fraction of lr."""
     clip_norm: float = 0.0
-    """Clip gradients to this norm (0: off). Eager updates clip each layer's gradient norm;
-    deferred updates clip the global norm over all layers (as torch.nn.utils.clip_grad_norm_)."""
+    """Clip the global gradient norm over all layers to this (0: off), as
+    torch.nn.utils.clip_grad_norm_, with eager updates too (speculative, rolled back when the
+    norm turns out above it)."""
+    states: Literal["fp32", "bf16"] = field(default="fp32",
+                                            metadata={"flag": "--optimizer-states"})
+    """AdamW's and LAMB's moments m, v: fp32, or bf16 with stochastic rounding (4 bytes per
+    parameter less; the master stays fp32). Fixed for the run; a checkpoint of the other
+    kind is converted when loaded."""
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "lamb", "sgd"):
@@ -76,6 +82,8 @@ class OptimizerConfig:
             raise ValueError("a decaying schedule needs total_steps > warmup_steps")
         if not 0 <= self.min_lr_ratio <= 1 or not self.clip_norm >= 0:
             raise ValueError("min_lr_ratio must be in [0, 1], clip_norm >= 0")
+        if self.states not in ("fp32", "bf16"):
+            raise ValueError(f"optimizer states must be fp32 or bf16, got {self.states!r}")
 
     def lr_at(self, t: int) -> float:
         """Learning rate of update t."""
@@ -108,22 +116,24 @@ class ServerConfig:
     """Compute precision served to the workers. The master and optimizer state are fp32."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     update: Literal["eager", "deferred"] = "eager"
-    """eager: update each layer as soon as its gradient is reduced (L2Lp overlap; clipping and
-    fp16 overflow skips are per layer). deferred: update after the step's last layer arrives,
-    with exact global semantics (global-norm clipping, whole-step overflow skip, as in AMP)."""
+    """eager: update each layer as soon as its gradient is in (L2Lp overlap; with --clip-norm
+    or fp16 the update is speculative and rolled back if the step's global norm clips or a
+    gradient overflows). deferred: update once the step's last layer arrives. Both give the
+    same global semantics (global-norm clipping, whole-step overflow skip, as in AMP)."""
     loss_scale: float = 2.0 ** 16
     """fp16 only: initial dynamic loss scale."""
     loss_scale_window: int = 1000
     """fp16 only: double the scale after this many steps without overflow (halve on one)."""
     threads: int = field(default=0, metadata={"flag": "--server-threads"})
-    """The EPS's torch threads for reduction and updates, shared by the math engines busy at a
-    time (one engine thread per shard of the layers, as many as threads, at most 8). 0: the
-    cores this process may use (l2l-launch: less its workers' --threads)."""
+    """The EPS's math threads: one pool running the pieces of every layer's passes (checks,
+    updates), so a layer alone has all of them. 0: the cores this process may use
+    (l2l-launch: less its workers' --threads)."""
     grad_slots: int = 2
-    """Gradient slots per worker in shared memory (layers whose reduction may be in flight)."""
+    """Gradient slots per worker in shared memory (layers whose gradient may be pushed and not
+    yet read by its update)."""
     peer_requests: int = 256
     """Requests one connection may have waiting for a reply (Fetches of a version not there
-    yet, gradients being reduced, checkpoints); more are refused with "busy"."""
+    yet, gradients held for their update, checkpoints); more are refused with "busy"."""
     heartbeat_timeout: float = 10.0
     """A registered peer that sends nothing (workers send a Heartbeat every timeout/4) for
     this many seconds is declared dead: its rank is freed for a replacement."""

@@ -1,5 +1,5 @@
 """Each layer's contributions to the current step (the core's bookkeeping; no math): which
-ranks have pushed (or, with LayerDrop, skipped) it and how many gradients are reduced.
+ranks have pushed (or, with LayerDrop, skipped) it, and how many skips are counted.
 
 A rank *claims* its part when its push is accepted and releases it if the gradient is then
 refused (non-finite), so it may push again. Once every rank has claimed a layer nobody may read
@@ -20,13 +20,14 @@ class Contributions:
         self.world_size = world_size
         self._claims: list[set[int]] = [set() for _ in range(num_layers)]
         self._skips: list[set[int]] = [set() for _ in range(num_layers)]
-        self._done = [0] * num_layers  # parts reduced (or skipped)
+        self._done = [0] * num_layers  # skips counted
         self._early: list[set[int]] = [set() for _ in range(num_layers)]  # next step's skips
 
-    def skip_early(self, layer: int, rank: int) -> None:
+    def skip_early(self, layer: int, rank: int, first: bool = False) -> None:
         """``rank`` skips ``layer`` in the step after the current one, which it must have
-        done its part of already."""
-        if rank not in self._claims[layer]:
+        done its part of already (``first``: the layer has no version yet, and this is a
+        skip of step 0, which may come before the initial values)."""
+        if rank not in self._claims[layer] and not first:
             raise RequestError("bad_request", f"rank {rank} skips layer {layer} for the next "
                                "step before pushing it for this one", "step")
         if rank in self._early[layer]:
@@ -52,7 +53,7 @@ class Contributions:
         self._claims[layer].discard(rank)
 
     def has(self, layer: int, rank: int) -> bool:
-        """``rank``'s part of ``layer`` for the current step is in (or being reduced)."""
+        """``rank``'s part of ``layer`` for the current step is in (held, or read)."""
         return rank in self._claims[layer]
 
     def skips_early(self, layer: int, rank: int) -> bool:

@@ -2,10 +2,11 @@
 
 The shell (server.py) calls ``handle(peer, msg, frames)`` with a decoded request and sends
 the replies due now (``Out``s). Work that takes time runs on the engines; ``poll()`` takes in
-their results and returns the replies they made due (a GradAck after a reduction, a waiting
-Fetch's LayerReady once an update published its version, a Save's Ack). Tests drive the core
-in-process the same way, with inline engines. A gradient: handle(PushGrad) -> engines: Reduce
--> poll: GradAck; the last part -> scheduler -> engines: Update -> poll: Publish(l, t+1).
+their results and returns the replies they made due (GradAcks once an update has read the
+gradients, a waiting Fetch's LayerReady once an update published its version, a Save's Ack).
+Tests drive the core in-process the same way, with inline engines. A gradient:
+handle(PushGrad) -> data plane: held; the last rank's part -> scheduler -> engines: Update ->
+poll: GradAcks and Publish(l, t+1) (or, for a step being decided, Resolve -> Publish).
 The model exists from construction (lobby.py makes the core). A bad request gets an Error
 and changes nothing. Every request marks its peer alive; ``expire()``, called periodically,
 declares peers silent for the heartbeat timeout dead (peers.py) and frees their ranks.
@@ -43,15 +44,17 @@ from protocol.messages import (
 from protocol.trace import NULL, Tracer
 
 from . import checkpoint
+from .buffers import BufferPool
 from .config import ServerConfig, with_changes
 from .dataplane import DataPlane
-from .engines import Done, Engines, Exclusive, Init, Reduce, layer_math
+from .engines import Done, Engines, Exclusive, Init, Requester, Resolve, Update, layer_maths
 from .errors import RequestError
 from .layer_store import LayerStore
 from .peers import Peer, Peers, check_control, check_hello, check_model
+from .pool import MathPool
 from .replies import Out, Waiting, error_out
-from .scheduler import Publish, Saved, UpdateScheduler
-from .stats import EpsStats, peak_memory_bytes
+from .scheduler import Saved, UpdateScheduler
+from .stats import EpsStats, model_memory, peak_memory_bytes
 from .transports import frame_tensor, make_transport
 
 log = logging.getLogger("eps_server")
@@ -64,10 +67,13 @@ class EpsCore:
                  tracer: Tracer = NULL, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.store, self.run_id = cfg, store, run_id
         self.stats = stats or EpsStats()
+        self._rss_before = peak_memory_bytes().get("vmrss_bytes", 0)  # before the model's memory
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._wake = wake
-        self.engines = Engines(store, layer_math(store, cfg.optimizer), cfg.math_threads,
-                               self._on_done, inline=inline, tracer=tracer)
+        self.pool = MathPool(cfg.math_threads, inline=inline)
+        self.buffers = BufferPool()
+        self.engines = Engines(store, layer_maths(store, cfg.optimizer, self.pool, self.buffers),
+                               cfg.math_threads, self._on_done, inline=inline, tracer=tracer)
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)
         self._lost: list[Peer] = []  # declared dead, not yet reported by expire()
@@ -78,6 +84,9 @@ class EpsCore:
                               self._break)
         self.initialising: set[int] = set()
         self.broken: str | None = None
+        self._completions = {Init: self._initialised, Update: self.data.updated,
+                             Resolve: self._resolved,
+                             Exclusive: lambda d: self._saved(self.scheduler.saved(d))}
         self._handlers = {Hello: self._hello, InitLayer: self._init,
                           Fetch: self.data.fetch, PushGrad: self.data.push, Bye: self._bye,
                           StashArena: self._stash_arena, Status: self._status,
@@ -102,6 +111,7 @@ class EpsCore:
                 self.waiting.check(peer)
             outs = (self._hello(peer, msg, key) if type(msg) is Hello
                     else handler(peer, msg, frames))
+            outs += self._publish_due()
         except RequestError as e:
             self.stats.busy_refusals += e.code == "busy"
             outs = [error_out(peer, msg.req_id, e.code, str(e), e.field)]
@@ -141,6 +151,7 @@ class EpsCore:
         """Stop the engines (a running job finishes), write the final checkpoint (--server-save)
         unless a step is half done, release shared memory."""
         self.engines.close()
+        self.pool.close()
         try:
             if final_save and self.cfg.save and self.store.initialised:
                 self.scheduler.final_checkpoint(self.cfg.save)
@@ -155,10 +166,11 @@ class EpsCore:
 
     def _break(self, why: str, level: int = logging.ERROR) -> list[Out]:
         """An update failed (or a worker was lost for good): stop updating; every waiting
-        Fetch gets an internal Error."""
+        Fetch and every held gradient gets an internal Error."""
         log.log(level, "server stopped updating: %s", why)
         self.broken = why
-        return self.data.fail_waiters(None, "internal", why)
+        return self.data.fail_waiters(None, "internal", why) + self.data.fail_held("internal",
+                                                                                   why)
 
     # ------------------------------------------------------------------------- handshake
 
@@ -269,35 +281,39 @@ class EpsCore:
             raise RequestError("bad_request", f"layer {msg.layer} is already initialised",
                                "layer")
         self.initialising.add(msg.layer)
-        self.engines.submit(Init(msg.layer, data, (identity, msg)))
+        self.engines.submit(Init(msg.layer, data, Requester(identity, msg.req_id)))
         return []
 
     def _initialised(self, done: Done) -> list[Out]:
-        identity, msg = done.job.ticket
-        self.initialising.discard(msg.layer)
+        job: Init = done.job
+        who = job.requester
+        self.initialising.discard(job.layer)
         if done.error is not None:
-            return [error_out(identity, msg.req_id, "internal",
+            return [error_out(who.peer, who.req_id, "internal",
                               f"{type(done.error).__name__}: {done.error}")]
         if not done.result:
-            return [error_out(identity, msg.req_id, "bad_request", f"initial values of layer "
-                              f"{msg.layer} are not all finite", "frames")]
-        return [Out(identity, Ack(req_id=msg.req_id)), *self.data.publish(msg.layer, 0)]
+            return [error_out(who.peer, who.req_id, "bad_request", f"initial values of layer "
+                              f"{job.layer} are not all finite", "frames")]
+        return [Out(who.peer, Ack(req_id=who.req_id)), *self.data.publish(job.layer, 0)]
 
     def _complete(self, done: Done) -> list[Out]:
-        job = done.job
-        if isinstance(job, Reduce):
-            return self.data.reduced(done)
-        if isinstance(job, Init):
-            return self._initialised(done)
-        if done.error is not None and not isinstance(job, Exclusive):
-            return self._break(f"update of layer {job.layer} failed: "
+        """An engine's job is done: the replies it makes due (one handler per job type)."""
+        return self._completions[type(done.job)](done) + self._publish_due()
+
+    def _resolved(self, done: Done) -> list[Out]:
+        if done.error is not None:
+            return self._break(f"update of layer {done.job.layer} failed: "
                                f"{type(done.error).__name__}: {done.error}")
+        self.scheduler.resolved(done)
+        return []
+
+    def _publish_due(self) -> list[Out]:
+        """Publish the versions due; publishing may make more due (an early skip counted,
+        a step decided): until none is."""
         outs: list[Out] = []
-        for action in self.scheduler.job_done(done):
-            if isinstance(action, Publish):
-                outs += self.data.publish(action.layer, action.version)
-            elif isinstance(action, Saved):
-                outs += self._saved(action)
+        while due := self.scheduler.due():
+            for p in due:
+                outs += self.data.publish(p.layer, p.version)
         return outs
 
     # ------------------------------------------------------------------------- control
@@ -310,7 +326,7 @@ class EpsCore:
             raise RequestError("bad_request", str(e), "path") from None
         if not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
-        self.scheduler.request_save(msg.path, (identity, msg))
+        self.scheduler.request_save(msg.path, Requester(identity, msg.req_id))
         return []
 
     def _saved(self, saved: Saved) -> list[Out]:
@@ -318,13 +334,13 @@ class EpsCore:
             log.error("checkpoint to %s failed: %s", saved.path, saved.error)
         else:
             log.info("checkpoint of step %d written to %s", saved.step, saved.path)
-        if saved.ticket is None:
+        who = saved.requester
+        if who is None:
             return []
-        identity, msg = saved.ticket
         if saved.error is not None:
-            return [error_out(identity, msg.req_id, "internal",
+            return [error_out(who.peer, who.req_id, "internal",
                               f"checkpoint failed: {saved.error}")]
-        return [Out(identity, Ack(req_id=msg.req_id))]
+        return [Out(who.peer, Ack(req_id=who.req_id))]
 
     def _set_hyper(self, identity: bytes, msg: SetHyper, frames) -> list[Out]:
         check_control(self.cfg, identity in self.peers)
@@ -350,7 +366,9 @@ class EpsCore:
         stats = {**self.stats.snapshot(), **peak_memory_bytes(), "lr": self.cfg.optimizer.lr,
                  "lr_now": self.cfg.optimizer.lr_at(max(self.store.step, 0)),
                  "params": self.store.manifest.num_params,
-                 "loss_scale": self.scheduler.scaler.scale}
+                 "loss_scale": self.scheduler.scaler.scale,
+                 **model_memory(self.store, [m.optimizer for m in self.engines.layers],
+                                self.buffers, self._rss_before)}
         if self.broken:
             stats["broken"] = self.broken
         return stats

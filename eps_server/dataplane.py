@@ -2,8 +2,10 @@
 waiting for a version, pushes and their reduction, and publishing each layer's next version.
 
 A Fetch is answered at once when its version exists, else it waits on the version board. A
-push is checked, claimed for its rank and reduced on the layer's engine; the last part makes the
-layer due for its update (scheduler.py), whose completion publishes the next version.
+push is checked, claimed for its rank and held where it lies (its slot or frame, unanswered);
+the last rank's part makes the layer due for its update (scheduler.py), which reads them all
+and then acknowledges each (its slot is the worker's again); its completion publishes the next
+version, at once or once the step is decided.
 
 Recovery (--recovery): an update first copies the version it replaces to the store's retained
 copy, so version v of a layer stays readable until the layer reaches v+2. A worker replacing a
@@ -20,7 +22,7 @@ from protocol.messages import Fetch, GradAck, LayerReady, PushGrad
 
 from .config import ServerConfig
 from .contributions import Contributions
-from .engines import Done, Engines, Reduce, Reduced
+from .engines import Done, Engines, Part, PushTicket, Update
 from .errors import RequestError
 from .layer_store import LayerStore
 from .peers import Peers
@@ -38,8 +40,11 @@ class DataPlane:
                  stop_updating: Callable[[str], list[Out]]):
         self.cfg, self.store, self.engines, self.scheduler = cfg, store, engines, scheduler
         self.peers, self.stats, self.stop_updating = peers, stats, stop_updating
-        self.board = VersionBoard(store, gate_on_step=cfg.loss_scaling)
+        self.board = VersionBoard(store, gate_on_step=cfg.loss_scaling,
+                                  retained=scheduler.retained)
         self.parts = Contributions(store.num_layers, cfg.world_size)  # this step's pushes
+        self._held: list[dict[int, Part]] = [{} for _ in range(store.num_layers)]  # by rank
+        self.stopped: str | None = None  # why the server stopped updating
         self.published_at: list[float | None] = [None] * store.num_layers  # peers' clock
 
     def check_layer(self, layer: int) -> None:
@@ -63,13 +68,16 @@ class DataPlane:
             if want < current - 1:
                 raise RequestError("bad_request", f"version {want} of layer {layer} is gone "
                                    f"(the layer is at version {current})", "min_version")
-            if (want == current and self.parts.has(layer, peer.rank)
-                    and layer not in self.scheduler.updating):
+            if want == current and self.parts.has(layer, peer.rank) and (
+                    layer in self.scheduler.retained or layer not in self.scheduler.rewriting):
                 # A replacement redoing its step reads a layer its rank pushed: the update may
                 # be sent any time, so it reads a copy, made now while no job rewrites the
-                # layer (the retained version, current-1, is nobody's any more). Once the
-                # update is sent, it waits for it and reads the version it replaced.
-                self.store.retain(layer)
+                # layer (the retained version, current-1, is nobody's any more), or already
+                # made by the job that rewrote it (a speculative update waiting for the step's
+                # decision, which needs this replacement's gradients). While that job runs, it
+                # waits for it.
+                if layer not in self.scheduler.retained:
+                    self.store.retain(layer)
                 return [self._layer_ready(identity, msg, retained=True)]
         elif want <= current and self.parts.all_claimed(layer):
             raise RequestError("bad_request", f"version {current} of layer {layer} is being "
@@ -129,7 +137,9 @@ class DataPlane:
         """``layer`` reached ``version``: answer who waited for it; maybe a step completed."""
         skipped = self.parts.reset(layer)
         self.published_at[layer] = self.peers.clock()
-        if self.board.set(layer, version):
+        completed = self.board.set(layer, version)
+        self.scheduler.published(layer, version)
+        if completed:
             self.scheduler.step_completed(self.board.step)
         outs = [self._layer_ready(w.peer, w.request, w.retained)
                 for w in self.board.answerable()]
@@ -142,6 +152,17 @@ class DataPlane:
         """Answer the waiting Fetches of ``identity`` (of everyone if None) with an Error."""
         return [error_out(w.peer, w.request.req_id, code, why)
                 for w in self.board.drop(identity)]
+
+    def fail_held(self, code: str, why: str) -> list[Out]:
+        """The server stops updating: every gradient held for a layer's update (here, or in
+        an Update a checkpoint holds back) is answered with an Error (its rank would wait for
+        an ack that never comes), and so is every one an Update still running hands back."""
+        self.stopped = why
+        parts = [p for held in self._held for p in held.values()]
+        parts += [p for job in self.scheduler.drop_held_updates() for p in job.parts]
+        self._held = [{} for _ in self._held]
+        self.stats.reducing -= len(parts)
+        return [error_out(p.ticket.peer, p.ticket.req_id, code, why) for p in parts]
 
     # ------------------------------------------------------------------------- gradients
 
@@ -163,9 +184,14 @@ class DataPlane:
         src = peer.transport.gradient_in(msg, frames, self.store.plan(msg.layer))
         self.parts.claim(msg.layer, peer.rank)
         self.stats.reducing += 1
-        # fp16: an overflow is expected now and then and the loss scaler deals with it.
-        self.engines.submit(Reduce(msg.layer, peer.rank, src, not self.cfg.loss_scaling,
-                                   (identity, msg, bool(frames))))
+        # Held where it lies (slot or frame; no copy, no ack) until every rank's part is in:
+        # the layer's update reads them all at once.
+        held = self._held[msg.layer]
+        held[peer.rank] = Part(src, PushTicket(identity, msg.req_id, peer.rank, msg.step,
+                                               msg.layer, msg.slot, bool(frames)))
+        if len(held) == self.cfg.world_size:
+            self._held[msg.layer] = {}
+            self.scheduler.reduced(msg.layer, msg.step, tuple(held[r] for r in sorted(held)))
         return []
 
     def _skip(self, identity: bytes, msg: PushGrad, frames) -> list[Out]:
@@ -176,40 +202,80 @@ class DataPlane:
             raise RequestError("bad_request", "a skip carries no gradient", "frames")
         ack = [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
                                      slot=-1))]
-        if msg.step > self.store.versions[msg.layer]:  # the layer is not there yet: it waits
-            self.parts.skip_early(msg.layer, msg.rank)  # (after this rank's part of the step)
+        version = self.store.versions[msg.layer]
+        if msg.step > version:  # the layer is not there yet: it waits (after this rank's part
+            self.parts.skip_early(msg.layer, msg.rank, first=version < 0)  # of the step)
             return ack
         self.parts.claim(msg.layer, msg.rank, skip=True)
         if self.parts.add(msg.layer):
             self.scheduler.skipped(msg.layer, msg.step)
         return ack
 
-    def reduced(self, done: Done) -> list[Out]:
-        identity, msg, framed = done.job.ticket
-        self.stats.reduce_seconds += done.seconds
-        self.stats.reducing -= 1
-        field = "frames" if framed else "slot"
-        if done.result is Reduced.OVERFLOW:  # the step cannot complete: stop updating
-            why = (f"the sum of layer {msg.layer}'s gradients at step {msg.step} is not finite "
+    def updated(self, done: Done) -> list[Out]:
+        """A layer's Update finished: every part is answered, its slot given back (a GradAck),
+        or refused (an Error: nothing was applied, that rank may push again; the others'
+        parts wait for it); the scheduler learns what the update found."""
+        outs = self._answer(done)
+        if done.error is None:
+            self.scheduler.updated(done)
+            layer, s = done.job.layer, self.scheduler
+            if layer not in s.rewriting and layer not in s.retained and \
+                    self.board.waits_for_copy(layer):  # held, not rewritten: copy it now
+                self.store.retain(layer)
+                s.retained.add(layer)
+            outs += [self._layer_ready(w.peer, w.request, w.retained)
+                     for w in self.board.answerable()]  # a retained copy is ready (recovery)
+        return outs
+
+    def _answer(self, done: Done) -> list[Out]:
+        job: Update = done.job
+        parts = job.parts
+        if done.error is not None:
+            self.stats.reducing -= len(parts)
+            for p in parts:
+                self.parts.release(job.layer, p.ticket.rank)
+            why = f"{type(done.error).__name__}: {done.error}"
+            return [error_out(p.ticket.peer, p.ticket.req_id, "internal", why)
+                    for p in parts] + self.stop_updating(f"update of layer {job.layer} "
+                                                         f"failed: {why}")
+        checked = done.result.checked
+        if checked.finite or self.cfg.loss_scaling:  # (an fp16 overflow skips the step)
+            return self._acked(job)
+        field = "frames" if parts[0].ticket.framed else "slot"
+        if checked.overflow:  # finite gradients whose sum is not: the step cannot complete
+            why = (f"the sum of layer {job.layer}'s gradients at step {job.t} is not finite "
                    "(finite gradients overflowed together); the layer is left as it was")
-            return [error_out(identity, msg.req_id, "bad_request", why, field),
-                    *self.stop_updating(why)]
-        if done.error is not None or done.result is not Reduced.OK:
-            self.parts.release(msg.layer, msg.rank)  # nothing was added: may push again
-            if done.error is not None:
-                return [error_out(identity, msg.req_id, "internal",
-                                  f"{type(done.error).__name__}: {done.error}")]
-            return [error_out(identity, msg.req_id, "bad_request", f"non-finite gradient for "
-                              f"layer {msg.layer} from rank {msg.rank} at step {msg.step}; not "
-                              "applied", field)]
-        self.stats.pushes += 1
-        nbytes = done.job.src.numel() * done.job.src.element_size()
-        self.stats.bytes_reduced += nbytes
-        if framed:
-            self.stats.bytes_received_frames += nbytes
-        else:
-            self.stats.bytes_received_shm += nbytes
-        if self.parts.add(msg.layer):
-            self.scheduler.reduced(msg.layer, msg.step)
-        return [Out(identity, GradAck(req_id=msg.req_id, step=msg.step, layer=msg.layer,
-                                      slot=msg.slot))]
+            self.stats.reducing -= len(parts)
+            return [error_out(p.ticket.peer, p.ticket.req_id, "bad_request", why, field)
+                    for p in parts] + self.stop_updating(why)
+        outs = []
+        for k, p in enumerate(parts):
+            if k in checked.refused:  # nothing was added: that rank may push again
+                self.stats.reducing -= 1
+                self.parts.release(job.layer, p.ticket.rank)
+                outs.append(error_out(
+                    p.ticket.peer, p.ticket.req_id, "bad_request", f"non-finite gradient for "
+                    f"layer {job.layer} from rank {p.ticket.rank} at step {job.t}; not "
+                    "applied", "frames" if p.ticket.framed else "slot"))
+            elif self.stopped is not None:  # nobody may push again: no update will read it
+                self.stats.reducing -= 1
+                outs.append(error_out(p.ticket.peer, p.ticket.req_id, "internal",
+                                      f"server stopped updating: {self.stopped}"))
+            else:
+                self._held[job.layer][p.ticket.rank] = p
+        return outs
+
+    def _acked(self, job: Update) -> list[Out]:
+        outs = []
+        for p in job.parts:
+            t = p.ticket
+            self.stats.reducing -= 1
+            self.stats.pushes += 1
+            self.stats.bytes_reduced += p.nbytes
+            if t.framed:
+                self.stats.bytes_received_frames += p.nbytes
+            else:
+                self.stats.bytes_received_shm += p.nbytes
+            outs.append(Out(t.peer, GradAck(req_id=t.req_id, step=t.step, layer=t.layer,
+                                            slot=t.slot)))
+        return outs

@@ -1,12 +1,13 @@
 """The EPS's math owners: one engine thread per shard of layers (layer l belongs to engine
-l % n), as BytePS runs one engine per key.
+l % n), as BytePS runs one engine per key; the work of each job runs in pieces on the math
+pool, so a layer alone still has every core (pool.py).
 
-An engine alone reads and writes its layers' math state: the fp32 gradient accumulator and the
-optimizer (and through it the layer's master and compute copy). The core sends it typed jobs
-and gets each job's result back as a ``Done``; an engine runs its jobs in the order they were
-sent (so one layer's reductions and update never overlap), and engines run in parallel. The
-core never touches this state, and an engine never touches the core's bookkeeping (versions,
-claims, peers). A checkpoint, which reads every layer, runs while the other engines are parked.
+An engine alone reads and writes its layers' math state (optimizer, master, compute copy; the
+gradient parts its jobs read). The core sends it typed jobs and gets each one back as a
+``Done`` with a typed result; an engine runs its jobs in the order they were sent (one layer's
+jobs never overlap), and engines run in parallel. The core never touches this state, and an
+engine never touches the core's bookkeeping (versions, claims, peers). A checkpoint, which
+reads every layer, runs while the other engines are parked.
 
 ``inline=True`` runs each job in the caller's thread at once (tests drive the core that way,
 deterministically); results still arrive through ``on_done``.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import queue
 import threading
 import time
@@ -28,50 +28,71 @@ import torch
 
 from protocol.trace import NULL, Tracer
 
+from .buffers import BufferPool
 from .config import OptimizerConfig
+from .layer_math import Checked, LayerMath, all_finite
 from .layer_store import LayerStore
-from .optimizers import CHUNK, LayerOptimizer, make_optimizer
-from .threads import MAX_ENGINES, ThreadBudget
-from .updater import LayerStats, clip_coefficient
+from .optimizers import make_optimizer
+from .pool import MathPool
+from .speculation import StepNorms
 
 log = logging.getLogger("eps_server")
 
-
-def all_finite(t: torch.Tensor) -> bool:
-    """True if every element is finite: then so are the smallest and the largest (min and max
-    propagate NaN). One vectorized pass, exact, nothing to overflow; a float64 sum, which is
-    not vectorized, took 5x as long as the AdamW update it guarded."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+# Engines only order jobs and wait for the pool; beyond a few, more layers in flight at once
+# add nothing the pool does not already have.
+MAX_ENGINES = 8
 
 
-NORM_ROW = 4096
-TINY_NORM = 1e-15  # below: squares of fp32 elements may have underflowed to zero
+# ----------------------------------------------------------------------------- tickets
 
 
-def norm2(t: torch.Tensor) -> float:
-    """The L2 norm of a flat tensor: fp32 norms of rows of NORM_ROW elements (vectorized),
-    combined in float64: within a few 1e-8 of the float64 norm at the speed of an fp32 one
-    (one fp32 norm over a 12.6M-element layer was off by 5e-4; a float64 one takes 20x as
-    long). In float64 throughout where that is not finite (so inf/NaN means an element is,
-    never that squares overflowed fp32) or so small that fp32 squares may have underflowed."""
-    m = t.numel() // NORM_ROW * NORM_ROW
-    rows = torch.linalg.vector_norm(t[:m].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
-    n = math.sqrt(float(rows.double().square().sum())
-                  + float(torch.linalg.vector_norm(t[m:], dtype=torch.float64)) ** 2)
-    return n if TINY_NORM < n < math.inf else float(torch.linalg.vector_norm(
-        t, dtype=torch.float64))
+@dataclass(frozen=True)
+class PushTicket:
+    """Whom to answer about one pushed gradient."""
+
+    peer: bytes
+    req_id: int
+    rank: int
+    step: int
+    layer: int
+    slot: int
+    framed: bool  # came as a tensor frame (else: read from the rank's shared slot)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One rank's pushed gradient of a layer, read where it lies until its job is done."""
+
+    src: torch.Tensor
+    ticket: PushTicket
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.numel() * self.src.element_size()
+
+
+@dataclass(frozen=True)
+class Requester:
+    """Whom to answer about a request that an engine job completes (InitLayer, Save)."""
+
+    peer: bytes
+    req_id: int
 
 
 # ----------------------------------------------------------------------------- jobs
 
 
-class Reduced(enum.Enum):
-    OK = "ok"
-    REFUSED = "refused"  # the gradient is not finite: nothing was added
-    OVERFLOW = "overflow"  # added, and the sum is not finite: the layer cannot be updated
+class Action(enum.Enum):
+    FINAL = "final"  # update now; the new version is published when done
+    SPECULATE = "speculate"  # if the guess says so (speculation.py) update now, keep the
+    #                          gradient, publish once the step is decided; else as HOLD
+    HOLD = "hold"  # keep the gradient; updated once the step is decided
+
+
+class Verdict(enum.Enum):
+    APPLY = "apply"  # a held gradient: update with the step's divisor
+    REDO = "redo"  # a speculative update: undo it, update with the step's divisor
+    UNDO = "undo"  # a speculative update: undo it (the step is skipped)
 
 
 @dataclass(frozen=True)
@@ -80,49 +101,51 @@ class Init:
 
     layer: int
     data: torch.Tensor
-    ticket: Any = None
-
-
-@dataclass(frozen=True)
-class Reduce:
-    """Add one worker's gradient into the layer's accumulator (the first one is copied).
-    Result: a ``Reduced``."""
-
-    layer: int
-    rank: int
-    src: torch.Tensor
-    check_finite: bool
-    ticket: Any = None
+    requester: Requester
 
 
 @dataclass(frozen=True)
 class Update:
-    """Eager: update the layer from its reduced gradient (clipped by its own norm), then
-    reset the accumulator. Result: False if the gradient overflowed and the update was skipped."""
+    """Every rank's gradient of ``layer`` for step ``t`` is in: check it, then ``action``
+    unless an element is not finite (then nothing is written). Result: ``Updated``."""
 
     layer: int
     t: int
-    loss_scale: float
-    check_finite: bool
+    parts: tuple[Part, ...]  # rank order
+    action: Action
+    grad_scale: float  # the loss scale (a speculative update assumes no clipping)
+    cfg: OptimizerConfig
+    norms: StepNorms | None = None  # SPECULATE: the step's norms, for the guess
+
+
+@dataclass(frozen=True)
+class Updated:
+    checked: Checked
+    rewritten: bool  # the layer's weights changed
+    kept: torch.Tensor | None  # the kept gradient (SPECULATE, HOLD)
+    check_seconds: float
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """The step's decision for a layer whose gradient was kept; the buffer is given back.
+    Result: None."""
+
+    layer: int
+    t: int
+    verdict: Verdict
+    kept: torch.Tensor
+    grad_scale: float  # APPLY, REDO: the step's divisor (loss scale / clipping coefficient)
+    spec_scale: float  # REDO, UNDO: the divisor the speculative update used
     cfg: OptimizerConfig
 
 
 @dataclass(frozen=True)
-class Measure:
-    """Deferred: finiteness and squared norm of the reduced gradient. Result: LayerStats."""
-
-    layer: int
-    t: int
-
-
-@dataclass(frozen=True)
-class Apply:
-    """Deferred: update with a given gradient divisor (``None``: skip), reset the accumulator."""
-
-    layer: int
-    t: int
-    divisor: float | None
-    cfg: OptimizerConfig
+class SaveTicket:
+    requester: Requester | None  # None: a periodic checkpoint
+    path: str
+    target: int  # the step written
+    extra: dict
 
 
 @dataclass(frozen=True)
@@ -131,7 +154,7 @@ class Exclusive:
 
     fn: Callable[[], Any]
     what: str
-    ticket: Any = None
+    ticket: SaveTicket
 
 
 @dataclass
@@ -142,68 +165,13 @@ class Done:
     seconds: float = 0.0
 
 
-# ----------------------------------------------------------------------------- layer math
-
-
-@dataclass
-class LayerMath:
-    """One layer's math state, owned by one engine."""
-
-    optimizer: LayerOptimizer
-    grad: torch.Tensor
-    added: int = 0  # gradients in the accumulator this step
-
-    def reduce(self, src: torch.Tensor, check_finite: bool) -> Reduced:
-        """Add ``src``. With ``check_finite``, a non-finite gradient is refused (nothing added)
-        and the sum is checked as it is made: the add runs chunk by chunk and each chunk is
-        checked while it is still in cache (finite gradients can overflow together)."""
-        if src.numel() != self.grad.numel():  # a short chunk would broadcast, not fail
-            raise ValueError(f"gradient of {src.numel()} elements for a layer of "
-                             f"{self.grad.numel()}")
-        if check_finite and not all_finite(src):
-            return Reduced.REFUSED
-        if self.added == 0:
-            self.grad.copy_(src)
-        else:  # by chunks also because adding a bf16/fp16 tensor whole converts it into a
-            finite = True  # fresh fp32 temporary first (4x as long, page faults included)
-            for lo in range(0, self.grad.numel(), CHUNK):
-                part = self.grad[lo:lo + CHUNK]
-                part.add_(src[lo:lo + CHUNK])
-                if check_finite:
-                    finite = all_finite(part) and finite  # every chunk is added
-            if not finite:
-                return Reduced.OVERFLOW
-        self.added += 1
-        return Reduced.OK
-
-    def measure(self, norm: bool, check_finite: bool) -> LayerStats:
-        """Finiteness (if asked) and, if ``norm``, squared norm: one pass either way."""
-        if norm:
-            n = norm2(self.grad)
-            return LayerStats(math.isfinite(n), n * n)
-        return LayerStats(all_finite(self.grad) if check_finite else True, 0.0)
-
-    def step(self, t: int, grad_scale: float, cfg: OptimizerConfig) -> None:
-        self.optimizer.step(t, lr=cfg.lr_at(t), grad_scale=grad_scale, cfg=cfg)
-
-    def update(self, job: Update) -> bool:
-        s = self.measure(norm=bool(job.cfg.clip_norm), check_finite=job.check_finite)
-        if s.finite:
-            coef = clip_coefficient(math.sqrt(s.norm_sq), job.cfg.clip_norm, job.loss_scale)
-            self.step(job.t, job.loss_scale / coef, job.cfg)
-        self.added = 0
-        return s.finite
-
-
-def layer_math(store: LayerStore, cfg: OptimizerConfig) -> list[LayerMath]:
-    """Accumulators and optimizers (state created explicitly, zero) for every layer."""
-    out = []
-    for plan in store.layout.layers:
-        grad = torch.zeros(plan.numel, dtype=torch.float32)
-        compute = store.compute(plan.index) if store.compute_region is not None else None
-        out.append(LayerMath(make_optimizer(plan, store.master(plan.index), grad, compute,
-                                            cfg), grad))
-    return out
+def layer_maths(store: LayerStore, cfg: OptimizerConfig, pool: MathPool,
+                buffers: BufferPool) -> list[LayerMath]:
+    """Every layer's optimizer (state created explicitly, zero) and passes."""
+    return [LayerMath(plan, make_optimizer(
+        plan, store.master(plan.index),
+        store.compute(plan.index) if store.compute_region is not None else None, cfg,
+        pool=pool, buffers=buffers), pool, buffers) for plan in store.layout.layers]
 
 
 # ----------------------------------------------------------------------------- engines
@@ -221,11 +189,12 @@ class Engines:
                  tracer: Tracer = NULL):
         self.store, self.layers, self.on_done, self.tracer = store, layers, on_done, tracer
         self.n = 1 if inline else max(1, min(n, len(layers), MAX_ENGINES))
-        self.budget = ThreadBudget(n)
         self.inline = inline
         self._stopping = False
         self._parks: list[_Park] = []  # exclusive jobs under way (released on close)
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.n)]
+        self._run_job = {Init: self._init, Update: self._update, Resolve: self._resolve,
+                         Exclusive: self._exclusive}
         self._threads = [] if inline else [
             threading.Thread(target=self._run, args=(k,), name=f"eps-engine-{k}", daemon=True)
             for k in range(self.n)]
@@ -289,50 +258,68 @@ class Engines:
                 except threading.BrokenBarrierError:  # stopping
                     continue
                 try:
-                    with self.budget.share():  # the others are parked: all of them
-                        done = self._execute(job)
+                    done = self._execute(job)
                 finally:
                     park.release.set()
             else:
-                with self.budget.share():
-                    done = self._execute(item)
+                done = self._execute(item)
             self.on_done(done)
 
     def _execute(self, job) -> Done:
         t0 = time.perf_counter()
         try:
-            result = self._dispatch(job)
+            result = self._run_job[type(job)](job)
         except Exception as e:  # reported to the core, which decides what it means
             log.exception("engine job %s failed", type(job).__name__)
             return Done(job, error=e, seconds=time.perf_counter() - t0)
         return Done(job, result, seconds=time.perf_counter() - t0)
 
-    def _dispatch(self, job):
-        if isinstance(job, Reduce):
-            with self.tracer.span(f"reduce L{job.layer} r{job.rank}", "reduce"):
-                return self.layers[job.layer].reduce(job.src, job.check_finite)
-        if isinstance(job, Update):
-            with self.tracer.span(f"update L{job.layer}", "update"):
-                self.store.retain(job.layer)
-                return self.layers[job.layer].update(job)
-        if isinstance(job, Measure):
-            with self.tracer.span(f"measure L{job.layer}", "update"):
-                return self.layers[job.layer].measure(norm=True, check_finite=True)
-        if isinstance(job, Apply):
-            with self.tracer.span(f"apply L{job.layer}", "update"):
-                self.store.retain(job.layer)
-                math_ = self.layers[job.layer]
-                if job.divisor is not None:
-                    math_.step(job.t, job.divisor, job.cfg)
-                math_.added = 0
-                return job.divisor is not None
-        if isinstance(job, Init):
-            if not all_finite(job.data):
-                return False
-            self.store.master(job.layer).copy_(job.data)
-            self.store.publish(job.layer)
-            return True
-        if isinstance(job, Exclusive):
-            with self.tracer.span(job.what, "checkpoint"):
-                return job.fn()
-        raise TypeError(f"unknown engine job {job!r}")
+    # -- the jobs -------------------------------------------------------------------------
+
+    def _init(self, job: Init) -> bool:
+        if not all_finite(job.data):
+            return False
+        self.store.master(job.layer).copy_(job.data)
+        self.store.publish(job.layer)
+        return True
+
+    def _update(self, job: Update) -> Updated:
+        math_ = self.layers[job.layer]
+        parts = tuple(p.src for p in job.parts)
+        t0 = time.perf_counter()
+        with self.tracer.span(f"check L{job.layer}", "reduce"):
+            checked = math_.check(parts)
+        check_seconds = time.perf_counter() - t0
+        if job.norms is not None and not checked.finite:
+            job.norms.record(job.layer, checked.norm_sq)  # the layers below hold
+        if not checked.finite:  # nothing is written: refused, or the step is skipped
+            return Updated(checked, False, None, check_seconds)
+        action = job.action
+        if action is Action.SPECULATE and not job.norms.guess(job.layer, checked.norm_sq,
+                                                                lambda: self._stopping):
+            action = Action.HOLD
+        if action is Action.HOLD:
+            with self.tracer.span(f"keep L{job.layer}", "reduce"):
+                return Updated(checked, False, math_.keep(parts), check_seconds)
+        with self.tracer.span(f"update L{job.layer}", "update"):
+            self.store.retain(job.layer)
+            kept = math_.update(parts, job.t, job.grad_scale, job.cfg,
+                                keep=action is Action.SPECULATE)
+        return Updated(checked, True, kept, check_seconds)
+
+    def _resolve(self, job: Resolve) -> None:
+        math_ = self.layers[job.layer]
+        try:
+            with self.tracer.span(f"{job.verdict.value} L{job.layer}", "update"):
+                if job.verdict is Verdict.APPLY:
+                    self.store.retain(job.layer)
+                else:
+                    math_.undo(job.kept, job.t, job.spec_scale, job.cfg)
+                if job.verdict is not Verdict.UNDO:
+                    math_.apply(job.kept, job.t, job.grad_scale, job.cfg)
+        finally:
+            math_.release(job.kept)
+
+    def _exclusive(self, job: Exclusive):
+        with self.tracer.span(job.what, "checkpoint"):
+            return job.fn()

@@ -9,39 +9,38 @@ and composing it from eager ops costs a dozen passes over memory (~6x AdamW's ti
 So an update moves 40 B/param (AdamW: 28). Loops run over whole contiguous slices (numba
 vectorises those, not index ranges it cannot prove non-negative) with the numpy error model;
 the fast-math flags only allow reassociation and reciprocal multiplication, never assume
-finite values. Sums are fp32 within blocks of BLOCK elements (each block's sum kept), then
-float64 across a tensor's blocks in order (``norms``), so a layer cut into segments at block
-boundaries, run on several threads, gives the same bits as one. ``nogil`` lets threads run
-the kernels in parallel: the EPS's engines, and the pieces of one layer (optimizers.py).
+finite values. The moments may be bf16 (kernels.py's element access, stochastic rounding).
+Sums are fp32 within blocks of BLOCK elements (each block's sum kept), then float64 across a
+tensor's blocks in order (``norms``), so a layer cut into segments at block boundaries, run
+on several threads, gives the same bits as one. ``nogil`` lets the math pool's threads run
+the pieces of a layer in parallel (optimizers.py).
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # the EPS falls back to torch ops (slower) when numba is missing
-    numba = None
+from .kernels import ld, noise16, noise16b, to_sr
 
 BLOCK = 4096
 FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
 
-def _moments_block(x, g, m, v, r, w, b1, b2, bc1, bc2, eps, inv_scale):
+def _moments_block(x, g, m, v, r, w, b1, b2, bc1, bc2, eps, inv_scale, base, seed_m, seed_v):
     one = np.float32(1.0)
     sx = np.float32(0.0)
     sr = np.float32(0.0)
     for i in range(x.shape[0]):
         xi = x[i]
         gi = g[i] * inv_scale
-        mi = b1 * m[i] + (one - b1) * gi
-        vi = b2 * v[i] + (one - b2) * gi * gi
+        mi = b1 * ld(m, i) + (one - b1) * gi
+        vi = b2 * ld(v, i) + (one - b2) * gi * gi
         ri = (mi / bc1) / (np.sqrt(vi / bc2) + eps) + w * xi
         sx += xi * xi
         sr += ri * ri
-        m[i] = mi
-        v[i] = vi
+        m[i] = to_sr(m, mi, noise16(base + i, seed_m))
+        v[i] = to_sr(v, vi, noise16b(base + i, seed_v))
         r[i] = ri
     return sx, sr
 
@@ -51,7 +50,8 @@ def _apply_one(x, r, step):
         x[i] = x[i] - step * r[i]
 
 
-def _moments(x, g, m, v, r, starts, ends, wd, first, b1, b2, bc1, bc2, eps, inv_scale, bx, br):
+def _moments(x, g, m, v, r, starts, ends, wd, first, b1, b2, bc1, bc2, eps, inv_scale, bx, br,
+             seed_m, seed_v):
     """Segments [starts[s], ends[s]) with weight decay wd[s]; the sums of segment s's blocks
     go to bx, br from index first[s] on."""
     for s in range(starts.shape[0]):
@@ -59,7 +59,8 @@ def _moments(x, g, m, v, r, starts, ends, wd, first, b1, b2, bc1, bc2, eps, inv_
         for lo in range(starts[s], ends[s], BLOCK):
             hi = min(ends[s], lo + BLOCK)
             bx[j], br[j] = _moments_block(x[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], r[lo:hi],
-                                          wd[s], b1, b2, bc1, bc2, eps, inv_scale)
+                                          wd[s], b1, b2, bc1, bc2, eps, inv_scale, lo, seed_m,
+                                          seed_v)
             j += 1
 
 
@@ -80,16 +81,15 @@ def _apply(x, r, starts, ends, step):
         _apply_one(x[starts[s]:ends[s]], r[starts[s]:ends[s]], step[s])
 
 
-if numba is not None:
-    _jit = numba.njit(nogil=True, fastmath=FASTMATH, error_model="numpy", cache=False)
-    _moments_block, _apply_one = _jit(_moments_block), _jit(_apply_one)
-    moments, norms, apply = _jit(_moments), _jit(_norms), _jit(_apply)
-else:
-    moments = norms = apply = None
+# Not cached: numba keys a cache on this file alone, and these loops inline kernels.py's.
+_jit = numba.njit(nogil=True, fastmath=FASTMATH, error_model="numpy", cache=False)
+_moments_block, _apply_one = _jit(_moments_block), _jit(_apply_one)
+moments, norms, apply = _jit(_moments), _jit(_norms), _jit(_apply)
 
 
 def available() -> bool:
-    return numba is not None
+    """The compiled passes are used (a test turns them off to check the torch ones)."""
+    return True
 
 
 def blocks(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

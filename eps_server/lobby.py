@@ -63,7 +63,11 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
         core.close(final_save=False)
         raise
     saved = loaded.state.get("optimizer", {})
-    if saved and saved != cfg.optimizer.as_dict():
+    was = saved.get("states", "fp32")
+    if saved and was != cfg.optimizer.states:
+        log.info("the checkpoint's optimizer moments are %s: converted to %s", was,
+                 cfg.optimizer.states)
+    if saved and {**saved, "states": cfg.optimizer.states} != cfg.optimizer.as_dict():
         log.warning("the checkpoint was trained with optimizer settings %s; continuing with "
                     "the ones given now: %s", saved, cfg.optimizer.as_dict())
     core.scheduler.scaler.restore(loaded.state.get("loss_scaler", {}))

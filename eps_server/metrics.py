@@ -38,7 +38,11 @@ COUNTERS = {  # EpsStats field -> (metric name, help)
     "skipped_updates": ("skipped_updates", "Layer updates skipped for an overflow."),
     "replies_dropped": ("replies_dropped", "Replies that could not be sent."),
     "busy_refusals": ("busy_refusals", "Requests refused: too many waiting on a connection."),
-    "reduce_seconds": ("reduce_seconds", "Engine time spent adding gradients."),
+    "reduce_seconds": ("reduce_seconds", "Engine time spent reading pushed gradients "
+                       "(finiteness, norm) before their update."),
+    "clipped_steps": ("clipped_steps", "Steps whose global gradient norm was clipped."),
+    "rollbacks": ("rollbacks", "Speculative layer updates taken back (clipping, overflow)."),
+    "rollback_seconds": ("rollback_seconds", "Engine time spent on rollbacks and redos."),
 }
 # WorkerReport field -> (metric name, help): each worker's latest report (its heartbeats).
 WORKER_GAUGES = {
@@ -83,8 +87,9 @@ class EpsCollector:
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily("l2l_eps_update_seconds", "Time of one layer update on "
                                     "its engine.", buckets=buckets, sum_value=h.sum)
-        yield GaugeMetricFamily("l2l_eps_reducing", "Gradients accepted and being reduced now "
-                                "(all workers).", value=s.reducing)
+        yield GaugeMetricFamily("l2l_eps_reducing", "Gradients accepted and not acknowledged "
+                                "yet (all workers): held until their layer's update has read "
+                                "them.", value=s.reducing)
         core = self.core()
         if core is None:
             return

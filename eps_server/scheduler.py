@@ -1,12 +1,19 @@
 """When layers are updated and checkpoints written (part of the core: no I/O, no threads).
 
-A layer whose gradients are all reduced for step t is *pending* (nobody may read version t any
-more) and gets its update job, eager or deferred (updater.py says which does what):
+A layer whose gradients are all in for step t is *pending* (nobody may read version t any
+more) and gets its Update job. How the step's layers are updated (updater.py says why):
 
-    eager     Update(l, t) at once
-    deferred  Measure(l) at once; when every layer's statistics are in, the whole step is
-              decided (global clipping, or a skip on any overflow) and Apply(l, t) is sent for
-              l = 0, 1, ... (the next step starts at layer 0)
+    plain      (eager, no clipping, no loss scaling) each layer updated at once (FINAL) and
+               its version t+1 published when done: the L2Lp overlap
+    validated  (--clip-norm, fp16 loss scaling, or --update deferred) the step's global
+               decision (clip coefficient, overflow skip) needs every layer's gradient. Each
+               layer's gradient is kept and the layer either updated at once when the guess
+               says the step will need no clipping (SPECULATE: eager AdamW, speculation.py)
+               or left for later (HOLD: deferred, LAMB, SGD, or a guess against). Once every
+               layer is in, the step is decided (``_decide``): a right guess is published as
+               it is, a wrong one undone and redone (Resolve REDO, UNDO), a held one applied
+               (APPLY); layer 0 first, where the next forward starts. Nothing is published
+               before the decision.
 
 An update's completion publishes version t+1 of its layer (``Publish``), which the core
 records. A checkpoint holds the updates that would start the step after its *target* (the
@@ -20,16 +27,30 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+
+import torch
 
 from protocol import checkpoints as layout_on_disk
 
 from . import checkpoint
-from .config import ServerConfig
-from .engines import Apply, Done, Engines, Exclusive, Measure, Update
+from .config import OptimizerConfig, ServerConfig
+from .engines import (
+    Action,
+    Done,
+    Engines,
+    Exclusive,
+    Part,
+    Requester,
+    Resolve,
+    SaveTicket,
+    Update,
+    Updated,
+    Verdict,
+)
 from .layer_store import LayerStore
+from .speculation import StepNorms
 from .stats import EpsStats
 from .updater import LayerStats, LossScaler, deferred_divisor
 
@@ -48,10 +69,23 @@ class Publish:
 class Saved:
     """A checkpoint of step ``step`` was written to ``path`` (or failed: ``error``)."""
 
-    ticket: Any  # the requester (peer, Save) or None for a periodic checkpoint
+    requester: Requester | None  # None: a periodic checkpoint
     path: str
     step: int
     error: str | None = None
+
+
+@dataclass
+class StepCheck:
+    """A validated step while its layers come in."""
+
+    t: int
+    cfg: OptimizerConfig  # one setting for the whole step, whatever SetHyper does
+    norms: StepNorms  # for the guesses (eager)
+    scale: float | None = None  # its loss scale, read once step t-1 is done (first update)
+    sent: set[int] = field(default_factory=set)  # layers whose Update was sent, or skipped
+    stats: dict[int, LayerStats] = field(default_factory=dict)
+    kept: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict)  # -> speculated
 
 
 class UpdateScheduler:
@@ -63,95 +97,173 @@ class UpdateScheduler:
         self.num_layers = store.num_layers
         self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_window, cfg.loss_scaling)
         self.pending: set[int] = set()  # layers whose update is due or running
-        self.updating: set[int] = set()  # layers whose Update/Apply job is sent, not done
+        self.rewriting: set[int] = set()  # layers whose weights may differ from their version
+        # --recovery: layers being rewritten whose retained copy (their current version, made
+        # by the first job of the step that rewrote them) is complete: readable now
+        self.retained: set[int] = set()
         self.overflow_steps: set[int] = set()
-        self._measured: dict[int, dict[int, LayerStats]] = {}  # deferred: t -> layer -> stats
-        self._skipped: dict[int, set[int]] = {}  # deferred: t -> layers every worker skipped
+        self._steps: dict[int, StepCheck | None] = {}  # t -> its check (None: plain)
+        self._due: list[Publish] = []  # versions to publish now (no job to wait for)
         self._hold_from: int | None = None  # a checkpoint holds updates from this version on
         self._committed = 0  # highest version an update under way will reach
-        self._held: list[tuple[int, Any]] = []  # (version, start) waiting for the hold to lift
-        self._saves: deque[tuple[str, Any]] = deque()  # (path, ticket), one written at a time
+        self._held: list[tuple] = []  # (version, start, its Update or None) held back
+        self._saves: deque[tuple[str, Requester | None]] = deque()  # one written at a time
         self._writing = False
         self._last_saved: dict[str, tuple] = {}  # root -> (step, settings) last written there
         self._last_step = time.perf_counter()
 
     # -- updates -----------------------------------------------------------------------
 
-    def reduced(self, layer: int, t: int) -> None:
-        """Every worker's gradient of ``layer`` for step ``t`` is in."""
+    def validated(self) -> bool:
+        """Steps need the global decision (as set now: a step keeps what it began with)."""
+        return (self.cfg.update == "deferred" or self.cfg.optimizer.clip_norm > 0
+                or self.cfg.loss_scaling)
+
+    def _step(self, t: int) -> StepCheck | None:
+        if t not in self._steps:
+            cfg = self.cfg.optimizer
+            self._steps[t] = StepCheck(t, cfg, StepNorms(self.num_layers, cfg.clip_norm)) \
+                if self.validated() else None
+        return self._steps[t]
+
+    def reduced(self, layer: int, t: int, parts: tuple[Part, ...]) -> None:
+        """Every rank's gradient of ``layer`` for step ``t`` is in (``parts``, rank order)."""
         self.pending.add(layer)
-        if self.cfg.update == "deferred":
-            self.engines.submit(Measure(layer, t))  # reads the gradient only: never held
+        check = self._step(t)
+        if check is None:
+            job = Update(layer, t, parts, Action.FINAL, self.scaler.scale, self.cfg.optimizer)
         else:
-            self._when_released(t, partial(self._eager, layer, t))
+            if check.scale is None:
+                check.scale = check.norms.scale = self.scaler.scale
+            # The guess may wait for the layers above only if their jobs were sent before.
+            guess = (self.cfg.update == "eager" and self.engines.layers[layer].optimizer.can_undo
+                     and check.sent.issuperset(range(layer + 1, self.num_layers)))
+            check.sent.add(layer)
+            job = Update(layer, t, parts, Action.SPECULATE if guess else Action.HOLD,
+                         check.scale, check.cfg, check.norms if guess else None)
+        self._when_released(t, partial(self._submit, job), job)
 
-    def skipped(self, layer: int, t: int) -> None:
-        """Every worker skipped ``layer`` at step ``t`` (LayerDrop): its version advances with
-        its optimizer state untouched, as torch's optimizers skip a parameter without grad."""
-        self.pending.add(layer)
-        if self.cfg.update == "deferred":
-            self._skipped.setdefault(t, set()).add(layer)
-            self._collect(layer, t, LayerStats(True, 0.0))
-        else:
-            self._when_released(t, partial(self._rewrite,
-                                           Apply(layer, t, None, self.cfg.optimizer)))
-
-    def _eager(self, layer: int, t: int) -> None:
-        self._rewrite(Update(layer, t, self.scaler.scale, self.cfg.loss_scaling,
-                             self.cfg.optimizer))
-
-    def _rewrite(self, job: Update | Apply) -> None:
-        """Send a job that rewrites the layer's weights (from now on they may change)."""
-        self.updating.add(job.layer)
+    def _submit(self, job: Update | Resolve) -> None:
+        if isinstance(job, Resolve) and job.verdict is Verdict.APPLY or \
+                isinstance(job, Update) and job.action is not Action.HOLD:
+            self.rewriting.add(job.layer)
         self.engines.submit(job)
 
-    def _when_released(self, t: int, start) -> None:
-        """Run ``start`` (an update to t+1) now, or once a checkpoint's hold lifts."""
-        if self._hold_from is not None and t >= self._hold_from:
-            self._held.append((t, start))
+    def skipped(self, layer: int, t: int) -> None:
+        """Every rank skipped ``layer`` at step ``t`` (LayerDrop): its version advances with
+        its optimizer state untouched, as torch's optimizers skip a parameter without grad."""
+        self.pending.add(layer)
+        check = self._step(t)
+        if check is None:
+            self._when_released(t, partial(self._advance, layer, t))
+        else:
+            check.sent.add(layer)
+            check.norms.record(layer, 0.0)
+            self._collect(check, layer, LayerStats(True, 0.0))
+
+    def updated(self, done: Done) -> None:
+        """An Update finished (its replies are the data plane's)."""
+        job: Update = done.job
+        result: Updated = done.result
+        self.stats.update_seconds += done.seconds - result.check_seconds
+        self.stats.reduce_seconds += result.check_seconds
+        checked = result.checked
+        if not checked.finite and not self.cfg.loss_scaling:  # refused: pushed again later
+            self.pending.discard(job.layer)
+            self.rewriting.discard(job.layer)
             return
-        self._committed = max(self._committed, t + 1)
-        start()
+        if result.rewritten:
+            self.retained.add(job.layer)
+        else:  # held after all (the guess): nothing rewrites it before the decision
+            self.rewriting.discard(job.layer)
+        check = self._steps.get(job.t)
+        if check is None:
+            self._published_by_job(job.layer, job.t, done.seconds)
+            return
+        if result.kept is not None:
+            check.kept[job.layer] = (result.kept, result.rewritten)
+        self._collect(check, job.layer, LayerStats(checked.finite, checked.norm_sq))
 
-    def job_done(self, done: Done) -> list:
-        """An Update, Measure, Apply or checkpoint finished; returns Publish/Saved actions."""
-        job = done.job
-        if isinstance(job, Exclusive):
-            return self._saved(done)
+    def resolved(self, done: Done) -> None:
+        """A Resolve finished: the layer's step is done."""
+        job: Resolve = done.job
+        self.retained.add(job.layer)  # an APPLY copied it; a REDO or UNDO's update had
         self.stats.update_seconds += done.seconds
-        if isinstance(job, Measure):
-            return self._collect(job.layer, job.t, done.result)
-        if isinstance(job, Update) and not done.result:  # an overflow: the update was skipped
-            self.overflow_steps.add(job.t)
-            self.stats.overflow_steps = len(self.overflow_steps)
-            self.stats.skipped_updates += 1
-        self.stats.updates += 1
-        self.stats.update_latency.observe(done.seconds)
-        self.pending.discard(job.layer)
-        self.updating.discard(job.layer)
-        return [Publish(job.layer, job.t + 1)]
+        if job.verdict is not Verdict.APPLY:
+            self.stats.rollback_seconds += done.seconds
+        self._published_by_job(job.layer, job.t, done.seconds)
 
-    def _collect(self, layer: int, t: int, stats: LayerStats) -> list:
-        measured = self._measured.setdefault(t, {})
-        measured[layer] = stats
-        if len(measured) < self.num_layers:
-            return []
-        del self._measured[t]
-        cfg = self.cfg.optimizer  # one setting for the whole step, whatever SetHyper does
-        divisor = deferred_divisor(measured, cfg.clip_norm, self.scaler.scale)
+    def _published_by_job(self, layer: int, t: int, seconds: float) -> None:
+        self.stats.update_latency.observe(seconds)
+        self._advance(layer, t)
+
+    def _advance(self, layer: int, t: int) -> None:
+        """Layer ``layer`` is done with step ``t``: version t+1 is due. --recovery: a layer no
+        job rewrote this step (skipped, or not updated) has its retained copy refreshed here,
+        as an update's job does, so it holds version t once t+1 is published."""
+        if layer not in self.retained:
+            self.store.retain(layer)
+        self.stats.updates += 1
+        self._due.append(Publish(layer, t + 1))
+
+    def _collect(self, check: StepCheck, layer: int, stats: LayerStats) -> None:
+        check.stats[layer] = stats
+        if len(check.stats) == self.num_layers:
+            self._decide(check)
+
+    def _decide(self, check: StepCheck) -> None:
+        """Every layer of step ``check.t`` is in: clip, skip or let the guess stand."""
+        scale = check.scale or self.scaler.scale  # (every layer skipped: nothing was sent)
+        divisor = deferred_divisor(check.stats, check.cfg.clip_norm, scale)
+        t = check.t
         if divisor is None:
             self.overflow_steps.add(t)
             self.stats.overflow_steps = len(self.overflow_steps)
             self.stats.skipped_updates += self.num_layers
+        elif divisor != scale:
+            self.stats.clipped_steps += 1
+        for layer in range(self.num_layers):  # layer 0 first: the next step starts there
+            kept, speculated = check.kept.pop(layer, (None, False))
+            if kept is None:  # skipped by every rank, or not finite: nothing was written
+                self._advance(layer, t)
+            elif speculated and divisor == scale or not speculated and divisor is None:
+                self.engines.layers[layer].release(kept)  # a right guess, or a skipped hold
+                self._advance(layer, t)
+            else:
+                verdict = (Verdict.APPLY if not speculated else
+                           Verdict.UNDO if divisor is None else Verdict.REDO)
+                if verdict is not Verdict.APPLY:
+                    self.stats.rollbacks += 1
+                self._submit(Resolve(layer, t, verdict, kept, divisor or scale, scale,
+                                     check.cfg))
 
-        skipped = self._skipped.pop(t, set())
+    def due(self) -> list[Publish]:
+        """The versions to publish now (taken)."""
+        out, self._due = self._due, []
+        return out
 
-        def start() -> None:  # layer 0 first: the next step starts there
-            for lay in range(self.num_layers):
-                self._rewrite(Apply(lay, t, None if lay in skipped else divisor, cfg))
+    def published(self, layer: int, version: int) -> None:
+        self.pending.discard(layer)
+        self.rewriting.discard(layer)
+        self.retained.discard(layer)
+        if min(self.versions) >= version:
+            self._steps.pop(version - 1, None)
 
-        self._when_released(t, start)
-        return []
+    def drop_held_updates(self) -> list[Update]:
+        """The server stops updating: the Updates a checkpoint holds back are dropped (their
+        gradients get an Error)."""
+        jobs = [job for _, _, job in self._held if job is not None]
+        self._held = [h for h in self._held if h[2] is None]
+        return jobs
+
+    def _when_released(self, t: int, start, job: Update | None = None) -> None:
+        """Run ``start`` (work towards version t+1; ``job``: the Update it sends) now, or
+        once a checkpoint's hold lifts."""
+        if self._hold_from is not None and t >= self._hold_from:
+            self._held.append((t, start, job))
+            return
+        self._committed = max(self._committed, t + 1)
+        start()
 
     def step_completed(self, step: int) -> None:
         """Every layer has reached version ``step``: step-1 is done (0: initial values in)."""
@@ -179,8 +291,8 @@ class UpdateScheduler:
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def request_save(self, path: str, ticket) -> None:
-        self._saves.append((path, ticket))
+    def request_save(self, path: str, requester: Requester | None) -> None:
+        self._saves.append((path, requester))
         self._begin_save()
 
     def _begin_save(self) -> None:
@@ -194,28 +306,29 @@ class UpdateScheduler:
         if self._hold_from is None or self._writing or min(self.versions) != self._hold_from:
             return
         self._writing = True
-        path, ticket = self._saves[0]
+        path, requester = self._saves[0]
         target = self._hold_from
         optimizers = [m.optimizer for m in self.engines.layers]
         extra = self.checkpoint_extra()
         write = partial(checkpoint.save, path, self.store, optimizers, extra,
                         self.cfg.keep_checkpoints)
         self.engines.exclusive(Exclusive(write, f"checkpoint {target}",
-                                         (ticket, path, target, extra)))
+                                         SaveTicket(requester, path, target, extra)))
 
-    def _saved(self, done: Done) -> list:
-        ticket, path, target, extra = done.job.ticket
+    def saved(self, done: Done) -> Saved:
+        ticket: SaveTicket = done.job.ticket
         if done.error is None:
-            self._last_saved[os.path.abspath(path)] = (target, _settings(extra))
+            self._last_saved[os.path.abspath(ticket.path)] = (ticket.target,
+                                                              _settings(ticket.extra))
         self._saves.popleft()
         self._writing = False
         self._hold_from = None
         held, self._held = self._held, []
-        for t, start in held:
-            self._when_released(t, start)
+        for t, start, job in held:
+            self._when_released(t, start, job)
         self._begin_save()
         error = None if done.error is None else f"{type(done.error).__name__}: {done.error}"
-        return [Saved(ticket, path, target, error)]
+        return Saved(ticket.requester, ticket.path, ticket.target, error)
 
     def loaded(self, directory: str, step: int, state: dict) -> None:
         """Resumed from checkpoint ``directory`` at ``step``: if it is its root's latest, a
@@ -237,7 +350,7 @@ class UpdateScheduler:
     def final_checkpoint(self, path: str) -> None:
         """At exit, with the engines stopped: write the last state, unless a step is half
         done (a mixed state would not be a step of training)."""
-        if not self.settled():
+        if not self.settled() or self.rewriting:
             log.warning("exiting mid-step (layer versions %d..%d, %d updates pending): not "
                         "saving a mixed state; the last checkpoint stands", min(self.versions),
                         max(self.versions), len(self.pending))

@@ -14,6 +14,7 @@ import math
 import os
 import secrets
 import signal
+import threading
 import time
 
 import torch
@@ -25,12 +26,14 @@ from protocol.endpoints import IpcClaim, check_bind, ipv6
 from protocol.events import EventWriter, PeerLost, Ready, ServerStats
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
 from protocol.shm import RunLock, remove_orphans
+from protocol.tensors import DTYPES
 from protocol.trace import Tracer
 
-from . import checkpoint, metrics
+from . import checkpoint, kernels, metrics
 from .config import ServerConfig
 from .core import EpsCore
 from .lobby import Lobby, load_core
+from .optimizers import STATE_DTYPES
 from .peers import version_text
 from .replies import Out
 from .stats import EpsStats
@@ -88,6 +91,7 @@ class EpsServer:
         self._stop: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
         self._settle_timer: asyncio.TimerHandle | None = None
+        self._warmer: threading.Thread | None = None  # compiles the math passes at start
         torch.set_num_threads(cfg.math_threads)
 
     async def serve(self) -> None:
@@ -134,6 +138,8 @@ class EpsServer:
         except zmq.ZMQError as e:  # a port in use, an address not on this machine
             raise OSError(f"cannot listen on {self.cfg.endpoint}: {e}") from None
         self._serving = True  # from now on a final checkpoint is this server's to write
+        self._warmer = threading.Thread(target=self._warm, name="eps-warm", daemon=True)
+        self._warmer.start()
         endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp port 0: the real one
         if self.cfg.metrics_port:
             self._metrics = metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host,
@@ -170,9 +176,23 @@ class EpsServer:
             self._claim.release()
         return self._close(core)
 
+    def _warm(self) -> None:
+        """Compile the math passes while the workers start (the first step would wait)."""
+        compute = self.cfg.compute_dtype
+        grads = tuple(dict.fromkeys((DTYPES[compute], torch.float32)))
+        try:
+            kernels.warm(self.cfg.world_size, grads,
+                         None if compute == "float32" else DTYPES[compute],
+                         STATE_DTYPES[self.cfg.optimizer.states])
+        except Exception:  # only time is lost: the first update compiles what it needs
+            log.exception("compiling the math passes ahead failed")
+
     def _close(self, core: EpsCore | None) -> dict:
         """Stop the engines, write the final checkpoint (if asked and settled), release shared
         memory; returns the final statistics."""
+        if self._warmer is not None:  # the compiler must not be running as the process exits
+            self._warmer.join()
+            self._warmer = None
         stats = self.stats.snapshot()
         if core is not None:
             core.close(final_save=self._serving)

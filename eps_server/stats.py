@@ -20,11 +20,19 @@ class EpsStats:
     bytes_reduced: int = 0
     """Wire bytes of the accepted gradients."""
     reduce_seconds: float = 0.0
-    """Time the engines spent reducing."""
+    """Time the engines spent reading the pushed gradients (finiteness, norm) before an
+    update."""
     update_seconds: float = 0.0
-    """Time the engines spent updating (and measuring gradients for deferred updates)."""
+    """Time the engines spent updating (rollbacks and kept gradients included)."""
     updates: int = 0
     """Layer version advances (skipped updates included)."""
+    clipped_steps: int = 0
+    """Steps whose global gradient norm was clipped (--clip-norm)."""
+    rollbacks: int = 0
+    """Speculative layer updates taken back (and redone with the step's clipping, or left out
+    of a skipped step)."""
+    rollback_seconds: float = 0.0
+    """Time the engines spent taking speculative updates back and redoing them."""
     steps_completed: int = 0
     """Steps every layer has completed since the server started."""
     overflow_steps: int = 0
@@ -44,7 +52,8 @@ class EpsStats:
     bytes_received_frames: int = 0
     """Gradient bytes received as frames (accepted pushes)."""
     reducing: int = 0
-    """Gradients accepted and being reduced now (all ranks)."""
+    """Gradients accepted and not yet acknowledged (all ranks): held until every rank's part
+    of their layer is in and its update has read them."""
 
     def __post_init__(self) -> None:
         # Not part of snapshot() (StatusReply carries plain numbers): for the metrics.
@@ -83,4 +92,24 @@ def peak_memory_bytes() -> dict[str, int]:
                     out[f"{key.lower()}_bytes"] = int(value.split()[0]) * 1024
     except OSError:
         pass
+    return out
+
+
+def model_memory(store, optimizers, buffers, rss_before: int = 0) -> dict:
+    """What the EPS holds for the model: the store's regions (master, compute copy,
+    --recovery's copy), the optimizer state, and the most gradient bytes kept at once
+    (buffers.py), in all and per parameter; with ``rss_before`` (the resident memory before the
+    model), the growth of the peak resident memory per parameter (measured: transients and
+    allocator slack included)."""
+    params = max(1, store.manifest.num_params)
+    regions = sum(r.nbytes for r in (store.master_region, store.compute_region,
+                                     store.retained_region) if r is not None)
+    state = sum(t.numel() * t.element_size() for opt in optimizers
+                for t in opt.state_tensors().values())
+    kept = buffers.peak_bytes
+    out = {"model_bytes": regions + state, "kept_peak_bytes": kept,
+           "bytes_per_param": round((regions + state + kept) / params, 3)}
+    peak = peak_memory_bytes().get("vmhwm_bytes", 0)
+    if peak and rss_before:
+        out["rss_growth_per_param"] = round((peak - rss_before) / params, 3)
     return out

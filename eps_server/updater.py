@@ -1,15 +1,15 @@
-"""How a layer's reduced gradient becomes an update: fp16 loss scaling and overflow skips,
-gradient clipping, eager or deferred (pure functions and the loss scaler; no threads, no I/O).
+"""How a step's gradients become updates: fp16 loss scaling and overflow skips, global-norm
+clipping (pure functions and the loss scaler; no threads, no I/O).
 
-eager (L2Lp): each layer is updated as soon as its gradient is reduced, while the workers
-    compute the layers below. Clipping uses the layer's own gradient norm; a layer whose fp16
-    gradient overflowed skips its update, and the loss scale drops for the next step.
-deferred: updates wait until every layer of the step is reduced. Clipping uses the global
-    norm over all layers (torch.nn.utils.clip_grad_norm_), and one overflow anywhere skips the
-    whole step (torch.amp.GradScaler). Updates then run layer 0 first, so the next step's
-    forward can start while the upper layers are still being updated.
+A step with clipping or fp16 is *decided* as a whole once every layer's gradient is in:
+clipping uses the global norm over all layers (torch.nn.utils.clip_grad_norm_), and one
+overflow anywhere skips the whole step (torch.amp.GradScaler), whether updates are eager (each
+layer updated on a guess as its gradient comes, taken back if the guess was wrong:
+speculation.py) or deferred (every layer waits for the decision). Updates after the decision
+run layer 0 first, so the next step's forward can start while upper layers are updated.
+Without clipping or fp16, eager updates are final at once (the L2Lp overlap).
 
-An update of layer l for step t divides the reduced gradient by ``grad_scale = loss_scale /
+An update of layer l for step t divides the summed gradient by ``grad_scale = loss_scale /
 clip_coefficient`` (one number folded into the optimizer's kernel).
 """
 
@@ -68,8 +68,8 @@ def clip_coefficient(scaled_norm: float, clip: float, loss_scale: float) -> floa
 
 def deferred_divisor(stats: dict[int, LayerStats], clip: float, loss_scale: float
                      ) -> float | None:
-    """The whole step's decision in deferred mode: None to skip every layer (an overflow
-    anywhere), else the gradient divisor with one global clipping coefficient."""
+    """A decided step's outcome: None to skip every layer (an overflow anywhere), else the
+    gradient divisor with one global clipping coefficient."""
     if not all(s.finite for s in stats.values()):
         return None
     total = math.sqrt(sum(s.norm_sq for s in stats.values()))

@@ -22,15 +22,17 @@ class Waiter:
     layer: int
     version: int
     # Recovery: ``version`` is being replaced; answer (from the retained copy) once the layer
-    # has moved past it, i.e. once its update is done, never while it is being rewritten.
+    # has moved past it, or once the job rewriting it has copied it (``retained``), never
+    # while that copy is being made.
     retained: bool = False
 
 
 class VersionBoard:
-    def __init__(self, store: LayerStore, gate_on_step: bool):
+    def __init__(self, store: LayerStore, gate_on_step: bool, retained: set[int]):
         self.store = store
         self.versions = store.versions  # written through set() only
         self.gate_on_step = gate_on_step
+        self.retained = retained  # layers whose retained copy holds their current version
         self._waiters: list[Waiter] = []
 
     @property
@@ -60,9 +62,14 @@ class VersionBoard:
 
     def _due(self, w: Waiter) -> bool:
         if w.retained:
-            return self.versions[w.layer] > w.version and (not self.gate_on_step
-                                                            or self.step >= w.version)
+            copied = self.versions[w.layer] > w.version or (
+                w.layer in self.retained and self.versions[w.layer] == w.version)
+            return copied and (not self.gate_on_step or self.step >= w.version)
         return self.ready(w.layer, w.version)
+
+    def waits_for_copy(self, layer: int) -> bool:
+        """Someone waits for the retained copy of ``layer``'s current version."""
+        return any(w.retained and w.layer == layer for w in self._waiters)
 
     def drop(self, peer: bytes | None = None) -> list[Waiter]:
         """Remove and return the waiters of ``peer`` (of everyone if None)."""

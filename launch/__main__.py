@@ -203,8 +203,15 @@ def summary_rows(s: dict, logs: str) -> list[tuple[str, str]]:
         rows.append(("EPS update per layer", f"{1e3 * eps['update_seconds'] / eps['updates']:.2f} "
                      f"ms ({eps['updates']} updates)"))
     if eps.get("pushes"):
-        rows.append(("EPS reduce per push", f"{1e3 * eps['reduce_seconds'] / eps['pushes']:.2f} "
+        rows.append(("EPS check per push", f"{1e3 * eps['reduce_seconds'] / eps['pushes']:.2f} "
                      f"ms ({eps['pushes']} pushes)"))
+    if eps.get("bytes_per_param"):
+        growth = eps.get("rss_growth_per_param")
+        rows.append(("EPS memory", f"{eps['bytes_per_param']:.1f} B/param held"
+                     + (f", peak RSS +{growth:.1f} B/param" if growth else "")))
+    if eps.get("clipped_steps") or eps.get("rollbacks"):
+        rows.append(("clipped steps", f"{eps['clipped_steps']} ({eps['rollbacks']} layer "
+                     "updates rolled back)"))
     if s["restarts"]:
         rows.append(("restarts", str(len(s["restarts"]))))
     rows.append(("logs", logs))

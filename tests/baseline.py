@@ -13,13 +13,15 @@ from worker.models.base import optimizer_groups
 def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, batch_size: int,
                    lr: float = 1e-3, weight_decay: float = 0.01, optimizer: str = "adamw",
                    momentum: float = 0.0, skips=lambda step: frozenset(), device="cpu",
-                   losses: list[float] | None = None) -> dict[str, torch.Tensor]:
+                   losses: list[float] | None = None, clip_norm: float = 0.0,
+                   norms: list[float] | None = None) -> dict[str, torch.Tensor]:
     """All layers resident, gradient accumulation over the global micro-batches in order,
     one torch optimizer step per step; biases and norm scales without weight decay.
     ``skips(step)``: blocks that step leaves out (their parameters get no gradient, so torch's
     optimizer leaves them and their state alone). On CUDA: TF32 off (fp32 matmuls in full
     precision, as the workers run them); the weights come back on the CPU. ``losses``: each
-    step's loss (summed over its micro-batches) is appended to it."""
+    step's loss (summed over its micro-batches) is appended to it. ``clip_norm``: the global
+    gradient norm clipped by ``clip_grad_norm_``, each step's norm appended to ``norms``."""
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -38,6 +40,10 @@ def train_resident(mcfg: ModelConfig, *, steps: int, global_micro_batches: int, 
             loss.backward()
             if losses is not None:
                 total += loss.item()
+        if clip_norm:
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         if losses is not None:
             losses.append(total)

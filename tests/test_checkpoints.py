@@ -12,11 +12,14 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from eps_server import checkpoint
-from eps_server.config import ServerConfig
+from eps_server.config import OptimizerConfig, ServerConfig
 from eps_server.lobby import load_core
+from eps_server.optimizers import STATE_DTYPES
 from protocol.checkpoints import LATEST, resolve
+from protocol.tensors import views
 
 from .test_core import Harness, grad_of
 
@@ -151,6 +154,41 @@ def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(t
         core.close(final_save=True)
         assert (set(os.listdir(root)) != before) is written
     assert resolve(str(root)) not in (older, newest)  # the older one, written again
+
+
+def test_a_checkpoint_records_its_moments_dtype_and_loads_into_the_other(tmp_path):
+    """--optimizer-states: a checkpoint holds the moments in their dtype and says which; loaded
+    by a server of the other kind they are converted (bf16 -> fp32 exactly, fp32 -> bf16
+    rounded to nearest), the master as it was."""
+    cores = {}
+    for states in ("bf16", "fp32"):
+        h = Harness(1, optimizer=OptimizerConfig(name="adamw", lr=0.01, states=states))
+        h.bootstrap()
+        for layer in (2, 1, 0):
+            h.push(0, 0, layer, grad_of(layer, 1.0 + layer), 10 + layer)
+            h.poll()
+        cores[states] = h
+    try:
+        for states, other in (("bf16", "fp32"), ("fp32", "bf16")):
+            h = cores[states]
+            root = save(h, tmp_path / states)
+            meta = checkpoint.read_meta(root)
+            assert meta.state["optimizer"]["states"] == states
+            cfg = replace(cores[other].cfg, run_id="l" + states)
+            core = load_core(cfg, root, cfg.run_id)
+            try:
+                for ours, theirs in zip(core.engines.layers, h.core.engines.layers):
+                    mine, src = ours.optimizer, theirs.optimizer
+                    assert mine.exp_avg.dtype == STATE_DTYPES[other]
+                    assert torch.equal(mine.exp_avg, src.exp_avg.to(mine.exp_avg.dtype))
+                    assert torch.equal(mine.exp_avg_sq, src.exp_avg_sq.to(mine.exp_avg.dtype))
+                    assert all(torch.equal(a, b) for a, b in zip(views(mine.master, mine.plan),
+                                                                 views(src.master, src.plan)))
+            finally:
+                core.close(final_save=False)
+    finally:
+        for h in cores.values():
+            h.close()
 
 
 @pytest.mark.slow

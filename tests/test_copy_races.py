@@ -65,8 +65,8 @@ class ThreadEps:
         for p, flat in zip(layout.layers, self.flats):
             flat.copy_(model.init_flat(p.index, p))
         self.grads = [torch.zeros(p.numel) for p in layout.layers]
-        self.opts = [make_optimizer(p, f, g, None, opt) for p, f, g in
-                     zip(layout.layers, self.flats, self.grads)]
+        self.opts = [make_optimizer(p, f, None, opt) for p, f in
+                     zip(layout.layers, self.flats)]
         self.versions = [0] * len(layout.layers)
         self.made: list[dict] = [{} for _ in layout.layers]  # clock of each layer's version
         self.asked: list[tuple[int, int, dict, Reply]] = []  # fetches of versions to come
@@ -140,7 +140,7 @@ class ThreadEps:
                    else self.shared.slot(slot, plan))
             self.hb.op_as(me, clock, [(got, False)], "the EPS reads the gradient")
             self.grads[layer].copy_(got[:plan.numel])
-            self.opts[layer].step(step, lr=self.lr)
+            self.opts[layer].step((self.grads[layer],), step, lr=self.lr)
             self.hb.op_as(me, clock, [(self.flats[layer], True)], "the EPS updates the layer")
         self.made[layer] = dict(clock)
         self.versions[layer] = step + 1

@@ -271,12 +271,12 @@ def test_an_optimizer_on_cuda_equals_the_same_on_the_cpu(name):
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, momentum=0.9)
     cpu = flat_layer(torch.bfloat16)
     gpu = [t.to("cuda") for t in cpu]
-    opts = [make_optimizer(PLAN, *bufs, cfg) for bufs in (cpu, gpu)]
+    opts = [make_optimizer(PLAN, master, compute, cfg) for master, _, compute in (cpu, gpu)]
     for t in range(4):
         g = [x * 512.0 for x in random_grads()]
         for (_, grad, _), opt in zip((cpu, gpu), opts):
             set_grad(grad, [x.to(grad.device) for x in g])
-            opt.step(t, lr=1e-2, grad_scale=512.0)
+            opt.step((grad,), t, lr=1e-2, grad_scale=512.0)
     assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-6, rtol=0)
     assert torch.equal(gpu[2], gpu[0].to(torch.bfloat16))
     assert float(opts[1].state_tensors()["step"]) == 4

@@ -70,11 +70,12 @@ def test_a_resumed_run_continues_at_the_same_data_position(cluster, tmp_path):
 
 
 def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path):
-    """l2l-export turns an EPS checkpoint into the directory --save writes."""
+    """l2l-export turns an EPS checkpoint into the directory --save writes (one trained with
+    bf16 optimizer moments: export reads the fp32 master only)."""
     path = fx.model_dir(tmp_path / "model", "gpt2")
     data = data_for("gpt2", tmp_path)
-    saved, _ = job(cluster, 1, path, data, steps=2, server=("--server-save",
-                                                            str(tmp_path / "ckpt")))
+    saved, _ = job(cluster, 1, path, data, steps=2, server=(
+        "--server-save", str(tmp_path / "ckpt"), "--optimizer-states", "bf16"))
     p = subprocess.run([sys.executable, "-m", "worker.export", "--checkpoint",
                         str(tmp_path / "ckpt"), "--out", str(tmp_path / "exported"),
                         "--model", f"hf:{path}", "--seq-len", str(SEQ)],

@@ -1,221 +1,210 @@
-"""The work around an EPS update (in one process, no sockets): finiteness of a pushed gradient
-and of a sum, the layer's gradient norm, and the reduction into the accumulator, with NaN/inf
-anywhere, values whose sum or squares overflow, and every gradient dtype; the engines' shared
-intra-op threads."""
+"""The passes around an EPS update (in one process, no sockets): the dtype conversions of the
+compiled kernels against torch's, bit for bit; the check of the ranks' gradients (a non-finite
+element anywhere, in any part, finite parts whose sum overflows, the norm against float64);
+the kept gradient; the math pool and its pieces; the buffer pool."""
 
 from __future__ import annotations
 
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eps_server import kernels
+from eps_server.buffers import BufferPool
 from eps_server.config import OptimizerConfig
-from eps_server.engines import CHUNK, Engines, LayerMath, Reduced, all_finite, norm2
+from eps_server.layer_math import LayerMath, all_finite
 from eps_server.optimizers import make_optimizer
-from eps_server.threads import MAX_ENGINES, ThreadBudget, rebalance
+from eps_server.pool import PIECE, MathPool, cut
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# More than two chunks, not a multiple of one: the reduction's chunk loop has a ragged end.
-N = 2 * CHUNK + 1000
+# More than two pieces, not a multiple of one or of a block: ragged ends everywhere.
 PLAN = plan_layout(Manifest(layers=(LayerSpec(name="l", kind="k", tensors=(
-    TensorSpec(name="w", shape=(N,)),)),))).layers[0]
+    TensorSpec(name="w", shape=(2 * PIECE + 1000,)),)),))).layers[0]
+N = PLAN.numel  # the flat layer, padding included
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    nan = torch.isnan(a.float()) & torch.isnan(b.float())
+    return bool(((a.view(ints) == b.view(ints)) | nan).all())
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+def test_every_half_value_loads_as_torch_converts_it():
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    out = np.empty(65536, np.float32)
+    kernels.gather((kernels.as_kernel_array(every),), out)
+    assert same_bits(torch.from_numpy(out), every.float())
+    bf = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    kernels.gather((kernels.as_kernel_array(bf),), out)
+    assert same_bits(torch.from_numpy(out), bf.float())
+
+
+EDGES = [0.0, -0.0, 65504.0, 65519.99, 65520.0, 65536.0, 1e38, math.inf, -math.inf,
+         2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001, 2.0 ** -14, 2.0 ** -14 * (1 - 2.0 ** -11),
+         1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 3.3895e38]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp32_is_rounded_to_nearest_even_as_torch_does(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(1 << 16, generator=g) * s for s in (1e-8, 1e-5, 1, 1e4, 1e30)]
+                  + [torch.tensor(EDGES), -torch.tensor(EDGES),
+                     torch.randint(0, 2**31 - 1, (1 << 16,), generator=g,
+                                   dtype=torch.int32).view(torch.float32)])
+    out = torch.empty(x.numel(), dtype=dtype)
+    kernels.copy_round(x.numpy(), kernels.as_kernel_array(out))
+    assert same_bits(out, x.to(dtype))
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def layer_math(pool=None, name="sgd") -> LayerMath:
+    cfg = OptimizerConfig(name=name, lr=0.1, weight_decay=0.0)
+    pool = pool or MathPool(1, inline=True)
+    buffers = BufferPool()
+    return LayerMath(PLAN, make_optimizer(PLAN, torch.zeros(N), None, cfg, pool=pool,
+                                          buffers=buffers), pool, buffers)
+
+
+# Each mix of dtypes is a kernel compiled of its own (a second or so): a few of them.
+MIXES = [(torch.float32,), (torch.bfloat16,), (torch.float16,),
+         (torch.bfloat16, torch.float32), (torch.float16, torch.float16, torch.bfloat16)]
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), bad=st.sampled_from([math.nan, math.inf, -math.inf]),
-       size=st.integers(1, 5000), where=st.floats(0, 1, exclude_max=True),
-       threads=st.sampled_from([1, 2]))
-def test_one_non_finite_element_anywhere_is_found(dtype, bad, size, where, threads):
-    t = torch.randn(size).to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # a parallel min/max must still propagate NaN
-    try:
-        assert all_finite(t)
-        t[int(where * size)] = bad
-        assert not all_finite(t)
-    finally:
-        torch.set_num_threads(before)
+@given(dtypes=st.sampled_from(MIXES),
+       bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+       who=st.integers(0, 2), where=st.floats(0, 1, exclude_max=True))
+def test_a_non_finite_element_is_blamed_on_its_part(dtypes, bad, who, where):
+    parts = [torch.randn(N).to(d) for d in dtypes]
+    m = layer_math()
+    assert m.check(tuple(parts)).finite
+    who %= len(parts)
+    parts[who][int(where * N)] = bad
+    checked = m.check(tuple(parts))
+    assert checked.refused == (who,) and not checked.overflow
+    assert not math.isfinite(checked.norm_sq)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_a_parallel_min_max_finds_a_non_finite_element_in_any_part(dtype, bad):
-    """Large enough that torch splits the reduction over threads (from 32K elements)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        t = torch.randn(N).to(dtype)
-        assert all_finite(t)
-        for where in (0, CHUNK - 1, CHUNK, N // 2 + 3, N - 1):
-            t[where] = bad
-            assert not all_finite(t), where
-            assert not all_finite(t[1:]) or where == 0  # an offset view as well
-            t[where] = 0.5
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_largest_finite_values_are_finite(dtype):
-    """Their sum overflows in every float type: a check by summing would call them infinite."""
-    big = torch.finfo(dtype).max
-    assert all_finite(torch.full((N,), big, dtype=dtype))
-    assert all_finite(torch.tensor([big, -big], dtype=dtype))
-    assert all_finite(torch.empty(0, dtype=dtype))
+def test_the_largest_finite_values_are_finite_and_their_sum_is_an_overflow():
+    """A check by summing would call them infinite; two of them do overflow together."""
+    m = layer_math()
+    for dtype in DTYPES:
+        big = torch.full((N,), torch.finfo(dtype).max, dtype=dtype)
+        assert m.check((big,)).finite
+    big = torch.zeros(N)
+    big[PIECE + 7] = torch.finfo(torch.float32).max  # in the middle piece
+    checked = m.check((big, big))
+    assert checked.overflow and checked.refused == () and not checked.finite
+    assert all_finite(torch.empty(0)) and not all_finite(torch.tensor([1.0, math.nan]))
 
 
 def test_the_norm_equals_the_float64_norm_and_survives_squares_beyond_fp32():
+    """fp32 sums within blocks of 4096 (vectorised), float64 across them: within 1e-7 of the
+    float64 norm (4e-9 here); a block whose fp32 squares overflow or underflow is summed in
+    float64 instead."""
     g = torch.randn(N, generator=torch.Generator().manual_seed(0)) * 1e-3
-    # 5e-9 typical, 2.2e-8 the worst of 200 draws (one fp32 norm of the whole: ~1e-4)
-    assert norm2(g) == pytest.approx(float(torch.linalg.vector_norm(g.double())), rel=1e-7)
-    assert norm2(g[:100]) == pytest.approx(float(torch.linalg.vector_norm(g[:100].double())),
-                                           rel=1e-7)  # shorter than a row
-    huge = torch.full((N,), 1e30)  # squares are 1e60, far beyond fp32: finite in float64
-    assert norm2(huge) == pytest.approx(float(huge[0]) * math.sqrt(N), rel=1e-9)
-    tiny = torch.full((N,), 1e-25)  # squares underflow fp32: the float64 norm instead
-    assert norm2(tiny) == pytest.approx(float(tiny[0]) * math.sqrt(N), rel=1e-9)
-    assert norm2(torch.zeros(N)) == 0.0
-    for bad in (math.nan, math.inf):
-        g[N // 2] = bad
-        assert not math.isfinite(norm2(g))
-
-
-def layer_math() -> LayerMath:
-    cfg = OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.0)
-    return LayerMath(make_optimizer(PLAN, torch.zeros(N), torch.zeros(N), None, cfg),
-                     torch.zeros(N))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", [True, False])
-def test_gradients_are_summed_exactly_as_fp32(dtype, check):
-    parts = [torch.randn(N).to(dtype) for _ in range(3)]
     m = layer_math()
-    for p in parts:
-        assert m.reduce(p, check_finite=check) == Reduced.OK
-    expect = parts[0].float() + parts[1].float() + parts[2].float()
-    assert torch.equal(m.grad, expect) and m.added == 3
+    want = float(torch.linalg.vector_norm(g.double()))
+    assert math.sqrt(m.check((g,)).norm_sq) == pytest.approx(want, rel=1e-7)
+    two = m.check((g, g.bfloat16()))
+    assert math.sqrt(two.norm_sq) == pytest.approx(
+        float(torch.linalg.vector_norm((g + g.bfloat16().float()).double())), rel=1e-7)
+    huge = torch.full((N,), 1e30)  # squares are 1e60, far beyond fp32: fine in float64
+    assert math.sqrt(m.check((huge,)).norm_sq) == pytest.approx(float(huge[0]) * math.sqrt(N),
+                                                                rel=1e-9)
+    tiny = torch.full((N,), 1e-30)
+    assert math.sqrt(m.check((tiny,)).norm_sq) == pytest.approx(float(tiny[0]) * math.sqrt(N),
+                                                                rel=1e-9)
+    assert m.check((torch.zeros(N),)).norm_sq == 0.0
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_non_finite_gradient_is_refused_and_adds_nothing(dtype):
+def test_the_check_gives_the_same_bits_however_many_threads():
+    g = [torch.randn(N).bfloat16(), torch.randn(N)]
+    pool = MathPool(3)
+    try:
+        assert layer_math(pool).check(tuple(g)) == layer_math().check(tuple(g))
+    finally:
+        pool.close()
+
+
+def test_a_gradient_of_another_size_is_an_error_not_a_read_past_its_end():
     m = layer_math()
-    first = torch.randn(N).to(dtype)
-    assert m.reduce(first, check_finite=True) == Reduced.OK
-    bad = torch.randn(N).to(dtype)
-    bad[N - 1] = math.inf  # in the last, short chunk
-    assert m.reduce(bad, check_finite=True) == Reduced.REFUSED
-    assert torch.equal(m.grad, first.float()) and m.added == 1
-    fresh = layer_math()
-    assert fresh.reduce(bad, check_finite=True) == Reduced.REFUSED and fresh.added == 0
-
-
-def test_a_gradient_of_another_size_is_an_error_not_a_broadcast():
-    m = layer_math()
-    m.reduce(torch.ones(N), check_finite=False)
-    for size in (N - CHUNK - 999, N + 1):  # the first would leave one element in a chunk
+    for size in (N - 1, N + 1):
         with pytest.raises(ValueError, match="elements"):
-            m.reduce(torch.ones(size), check_finite=False)
-    assert torch.equal(m.grad, torch.ones(N)) and m.added == 1
+            m.check((torch.ones(N), torch.ones(size)))
 
 
-def test_finite_gradients_whose_sum_overflows_are_an_overflow():
-    m = layer_math()
-    big = torch.zeros(N)
-    big[CHUNK + 7] = torch.finfo(torch.float32).max  # in the middle chunk
-    big[-1] = 1.0
-    assert m.reduce(big, check_finite=True) == Reduced.OK
-    assert m.reduce(big, check_finite=True) == Reduced.OVERFLOW
-    assert m.grad[-1] == 2.0  # the chunks after the overflow were still added
-    stats = m.measure(norm=True, check_finite=True)
-    assert not stats.finite
-    assert not m.measure(norm=False, check_finite=True).finite
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float16,), (torch.float32,),
+                                    (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_kept_gradient_is_exact(dtypes, optimizer):
+    """One rank's gradient is kept in its own dtype (2 bytes a parameter in bf16), several
+    ranks' as their fp32 sum; optimizers that cannot undo keep fp32 (they step on it)."""
+    m = layer_math(name=optimizer)
+    parts = tuple(torch.randn(N).to(d) for d in dtypes)
+    kept = m.keep(parts)
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    single = len(parts) == 1 and optimizer == "adamw"
+    assert kept.dtype == (parts[0].dtype if single else torch.float32)
+    assert torch.equal(kept.float(), total)
+    m.release(kept)
+    assert m.buffers.in_use_bytes == 0 and m.buffers.take(N, kept.dtype) is kept
 
 
-def test_busy_engines_share_the_threads_and_the_last_one_gets_them_all():
-    """A job takes threads // busy engines as it starts; each engine's count is its own
-    (OpenMP's is per thread), so one engine's share does not change another's."""
-    before = torch.get_num_threads()
-    budget = ThreadBudget(6)
-    seen: dict[str, int] = {}
-    first_in, second_done = threading.Event(), threading.Event()
+# ----------------------------------------------------------------------------- pools
 
-    def first():
-        with budget.share() as n:
-            seen["first"] = n
-            first_in.set()
-            second_done.wait(10)
-            seen["first after"] = torch.get_num_threads()
 
-    t = threading.Thread(target=first)
-    t.start()
+@settings(max_examples=100, deadline=None)
+@given(lo=st.integers(0, 5 * PIECE), length=st.integers(0, 5 * PIECE),
+       piece=st.sampled_from([kernels.BLOCK, 3 * kernels.BLOCK, PIECE]))
+def test_pieces_cover_a_range_once_cut_at_multiples_of_the_piece(lo, length, piece):
+    ranges = cut(lo, lo + length, piece)
+    assert sum(hi - a for a, hi in ranges) == length
+    assert all(a < hi <= a + piece for a, hi in ranges)
+    assert all(a2 == hi1 for (_, hi1), (a2, _) in zip(ranges, ranges[1:]))
+    assert all(a % piece == 0 for a, _ in ranges[1:])
+
+
+def test_the_pool_runs_pieces_on_its_threads_and_reports_the_first_error():
+    pool = MathPool(3)
     try:
-        assert first_in.wait(10)
-        with budget.share() as n:  # this thread is a second engine, busy at the same time
-            seen["second"], seen["second set"] = n, torch.get_num_threads()
-        second_done.set()
-        t.join(10)
-        with budget.share() as n:  # alone again
-            seen["alone"] = n
+        names = pool.map(lambda i: (i, threading.current_thread().name), [(i,) for i in range(9)])
+        assert [i for i, _ in names] == list(range(9))
+        assert {n for _, n in names} <= {f"eps-math-{k}" for k in range(3)}
+
+        def fail(i):
+            if i == 4:
+                raise ValueError("piece 4")
+            return i
+
+        with pytest.raises(ValueError, match="piece 4"):
+            pool.map(fail, [(i,) for i in range(8)])
+        assert pool.map(lambda i: i * i, [(3,), (4,)]) == [9, 16]  # still serving
     finally:
-        second_done.set()
-        torch.set_num_threads(before)
-    assert seen == {"first": 6, "second": 3, "second set": 3, "first after": 6, "alone": 6}
-    assert ThreadBudget(2).threads == 2 and ThreadBudget(0).threads == 1
+        pool.close()
 
 
-def test_a_long_job_takes_a_new_share_as_others_start_and_finish():
-    """rebalance() (called between an optimizer's chunks) moves a running job to the share
-    that is fair now: fewer threads when another engine starts, all of them once it is gone;
-    outside a job it changes nothing."""
-    before = torch.get_num_threads()
-    budget = ThreadBudget(6)
-    seen: list[tuple[str, int]] = []
-    other_in, other_out, checked = threading.Event(), threading.Event(), threading.Event()
-
-    def other():
-        with budget.share():
-            other_in.set()
-            checked.wait(10)
-        other_out.set()
-
-    try:
-        with budget.share() as n:
-            seen.append(("alone", n))
-            t = threading.Thread(target=other)
-            t.start()
-            assert other_in.wait(10)
-            rebalance()
-            seen.append(("other started", torch.get_num_threads()))
-            checked.set()
-            assert other_out.wait(10)
-            rebalance()
-            seen.append(("other finished", torch.get_num_threads()))
-            t.join(10)
-        torch.set_num_threads(2)
-        rebalance()  # no share held: nothing
-        seen.append(("outside", torch.get_num_threads()))
-    finally:
-        checked.set()
-        torch.set_num_threads(before)
-    assert seen == [("alone", 6), ("other started", 3), ("other finished", 6), ("outside", 2)]
-
-
-def test_engines_are_at_most_eight_and_share_every_thread():
-    """Each engine thread keeps an OpenMP pool as large as the most threads it was given:
-    engines beyond a few would only add pools. The threads are the number asked for."""
-    engines = Engines(None, [None] * 20, 32, lambda done: None)
-    try:
-        assert engines.n == MAX_ENGINES == 8 and engines.budget.threads == 32
-    finally:
-        engines.close()
-    few = Engines(None, [None] * 3, 32, lambda done: None)
-    try:
-        assert few.n == 3 and few.budget.threads == 32
-    finally:
-        few.close()
+def test_buffers_are_reused_and_the_peak_is_what_was_held_at_once():
+    pool = BufferPool()
+    a, b = pool.take(100), pool.take(100)
+    pool.give(a)
+    c = pool.take(100, torch.float32)
+    assert c is a and pool.peak_bytes == 800 and pool.in_use_bytes == 800
+    pool.give(b)
+    pool.give(c)
+    assert pool.in_use_bytes == 0 and pool.allocated_bytes == 800
+    pool.trim()
+    assert pool.allocated_bytes == 0

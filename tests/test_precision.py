@@ -1,5 +1,5 @@
-"""Update semantics of a live EPS: runtime hyperparameter changes, clipping (per layer when
-eager, global when deferred), fp16 overflow skips and loss scaling, the compute copy; and
+"""Update semantics of a live EPS: runtime hyperparameter changes, global-norm clipping (eager
+and deferred alike), fp16 overflow skips and loss scaling, the compute copy; and
 mixed-precision training end to end."""
 
 from __future__ import annotations
@@ -78,29 +78,43 @@ def test_runtime_lr_change_applies_to_the_next_update(cluster, close_clients):
     assert c.status().stats["lr"] == 0.5
 
 
-def test_eager_clipping_is_per_layer(cluster, close_clients):
-    c = connect(cluster, *SGD, "--clip-norm", "1.0")
-    close_clients.append(c)
-    for layer, value in ((2, 3.0), (1, 0.01)):
-        push(c, 0, layer, flat_grad(layer, value))
-    # layer 2: norm 3*sqrt(40) > 1, scaled to norm 1; layer 1: norm 0.063 < 1, untouched
-    coef = 1.0 / (3.0 * math.sqrt(40) + 1e-6)
-    assert torch.allclose(weights(c, 2, 1)[0], torch.full((40,), 1 - 0.1 * 3.0 * coef))
-    assert torch.allclose(weights(c, 1, 1)[0], torch.full((40,), 1 - 0.1 * 0.01))
-
-
-def test_deferred_clipping_is_global_and_waits_for_the_step(cluster, close_clients):
-    c = connect(cluster, *SGD, "--clip-norm", "1.0", "--update", "deferred")
+@pytest.mark.parametrize("update", ["eager", "deferred"])
+def test_clipping_is_global_and_waits_for_the_step(cluster, close_clients, update):
+    """--clip-norm clips the global norm over all layers, as clip_grad_norm_, in both update
+    modes; no layer's new version is served before the step's last gradient is in."""
+    c = connect(cluster, *SGD, "--clip-norm", "1.0", "--update", update)
     close_clients.append(c)
     values = {2: 3.0, 1: 0.01, 0: 2.0}
     push(c, 0, 2, flat_grad(2, values[2]))
     push(c, 0, 1, flat_grad(1, values[1]))
-    assert c.status().versions == (0, 0, 0)  # nothing is updated before the last layer
+    assert c.status().versions == (0, 0, 0)  # nothing is served before the last layer
     push(c, 0, 0, flat_grad(0, values[0]))
     total = math.sqrt(sum(40 * v * v for v in values.values()))
     coef = 1.0 / (total + 1e-6)
     for layer, v in values.items():
         assert torch.allclose(weights(c, layer, 1)[0], torch.full((40,), 1 - 0.1 * v * coef))
+    assert c.status().stats["clipped_steps"] == 1
+
+
+def test_eager_adamw_is_rolled_back_when_the_step_clips(cluster, close_clients):
+    """AdamW can take an update back: eager updates layers 2 and 1 at once (their gradients
+    are within the clip); layer 0's takes the step over it, so they are undone and redone
+    with the global coefficient (counted), and land where deferred updates do."""
+    got = {}
+    for update in ("eager", "deferred"):
+        c = connect(cluster, "--lr", "0.1", "--clip-norm", "1.0", "--update", update)
+        for step, scale in enumerate((1.0, 1e-3, 1.0)):  # clips, does not, clips
+            for layer, v in ((2, 0.01), (1, 0.02), (0, 2.0)):
+                weights(c, layer, step)  # as a worker: the step's version first
+                push(c, step, layer, flat_grad(layer, v * scale))
+        got[update] = [weights(c, layer, 3)[0] for layer in range(3)]
+        stats = c.status().stats
+        c.close()
+        cluster.close()
+        assert stats["clipped_steps"] == 2
+        assert stats["rollbacks"] == (4 if update == "eager" else 0)  # layers 2, 1 of 0, 2
+    for a, b in zip(got["eager"], got["deferred"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("update", ["eager", "deferred"])
@@ -117,15 +131,14 @@ def test_fp16_overflow_is_skipped_and_the_scale_drops(cluster, close_clients, up
     w2, ready = weights(c, 2, 1)
     assert torch.equal(w2, torch.ones(40))  # the overflowing layer never moved
     assert ready.loss_scale == 512.0  # step 1 runs at half the scale
-    expect = 1.0 if update == "deferred" else 1 - 0.1 * 0.5  # deferred skips the whole step
-    for layer in (0, 1):
+    for layer in (0, 1):  # the whole step is skipped, as torch.amp.GradScaler does
         w, _ = weights(c, layer, 1)
-        assert torch.allclose(w, torch.full((40,), expect))
+        assert torch.equal(w, torch.ones(40))
         compute, r = weights(c, layer, 1, which="compute")
         assert r.dtype == "float16" and torch.equal(compute, w.half())
     stats = c.status().stats
     assert stats["overflow_steps"] == 1 and stats["loss_scale"] == 512.0
-    assert stats["skipped_updates"] == (3 if update == "deferred" else 1)
+    assert stats["skipped_updates"] == 3
     assert all(math.isfinite(x) for layer in range(3) for x in weights(c, layer, 1)[0])
 
 

@@ -29,7 +29,6 @@ from protocol.messages import (
     Bye,
     Error,
     Fetch,
-    GradAck,
     Heartbeat,
     Hello,
     LayerReady,
@@ -188,14 +187,18 @@ def hello(h: Harness, rank: int, identity: bytes, req_id: int):
     return h.take(rank, req_id, peer=identity).msg
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world_size=st.integers(2, 3), update=st.sampled_from(["eager", "deferred"]),
-       optimizer=st.sampled_from(["sgd", "adamw"]), victim=st.integers(0, 2),
-       death=st.integers(0, 10_000), revive=st.booleans(),
+       optimizer=st.sampled_from(["sgd", "adamw"]), clip=st.sampled_from([0.0, 100.0]),
+       victim=st.integers(0, 2), death=st.integers(0, 10_000), revive=st.booleans(),
        choices=st.lists(st.integers(0, 7), max_size=300))
-def test_a_replacement_redoes_the_step_exactly(world_size, update, optimizer, victim, death,
-                                               revive, choices):
-    opt = SGD if optimizer == "sgd" else OptimizerConfig(name="adamw", lr=0.01)
+def test_a_replacement_redoes_the_step_exactly(world_size, update, optimizer, clip, victim,
+                                               death, revive, choices):
+    """``clip`` 100: with two ranks steps 0 and 1 stay below it and step 2 clips, with three
+    every step clips, so eager AdamW updates speculatively, rolls back and holds, and a
+    replacement reads layers whose speculative update waits for its own gradients."""
+    opt = (OptimizerConfig(name="sgd", lr=0.5, weight_decay=0.0, clip_norm=clip)
+           if optimizer == "sgd" else OptimizerConfig(name="adamw", lr=0.01, clip_norm=clip))
     server = dict(optimizer=opt, update=update, recovery=True, heartbeat_timeout=TIMEOUT)
     expected, reference_reads = failure_free(world_size, **server)
     victim %= world_size
@@ -236,12 +239,43 @@ def test_a_replacement_redoes_the_step_exactly(world_size, update, optimizer, vi
         assert data == reference_reads[key], f"layer {key[0]} version {key[1]}"
 
 
+def test_a_replacement_reads_a_speculatively_updated_layer_at_once(make):
+    """Eager AdamW with --clip-norm updates layer 2 as soon as both ranks pushed it, but
+    publishes nothing before the step is decided, which needs every rank's gradients. A
+    replacement of rank 1 must read layer 2's version 0 then: from the retained copy the
+    speculative update made, at once (waiting for the decision would wait for itself)."""
+    adamw = OptimizerConfig(name="adamw", lr=0.01, clip_norm=1e9)
+    h = make(2, optimizer=adamw, recovery=True, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    h.send(1, _push(0, 2, 1, 5), _frames(0, 2, 1))
+    h.send(1, _push(0, 1, 1, 6), _frames(0, 1, 1))
+    h.send(0, _push(0, 2, 0, 7), _frames(0, 2, 0))
+    h.poll()
+    assert h.core.store.versions == [0, 0, 0] and 2 in h.core.scheduler.retained
+    h.now = TIMEOUT + 1
+    h.send(0, Heartbeat(req_id=8))
+    assert [p.rank for p in h.core.expire()] == [1]
+    welcome = hello(h, 1, b"new", 9)
+    assert welcome.rejoined and welcome.step == 0 and welcome.pushed == (1, 2)
+    for layer in (2, 1, 0):
+        h.send(1, Fetch(req_id=20 + layer, layer=layer, min_version=0), peer=b"new")
+        out = h.take(1, 20 + layer, peer=b"new")
+        assert isinstance(out.msg, LayerReady) and out.msg.version == 0, (layer, out)
+        assert torch.equal(torch.frombuffer(bytearray(out.frames[0]), dtype=torch.float32),
+                           torch.ones(h.core.store.plan(layer).numel)), layer
+    h.send(1, _push(0, 0, 1, 30), _frames(0, 0, 1), peer=b"new")
+    for layer in (1, 0):
+        h.send(0, _push(0, layer, 0, 40 + layer), _frames(0, layer, 0))
+    h.poll()
+    assert h.core.store.versions == [1, 1, 1]
+
+
 def test_without_recovery_a_replacement_that_cannot_redo_exactly_is_refused(make):
     h = make(2, heartbeat_timeout=TIMEOUT)
     h.bootstrap()
     h.send(1, _push(0, 2, 1, 5), _frames(0, 2, 1))  # rank 1 pushed layer 2 of step 0, then died
     h.poll()
-    assert isinstance(h.take(1, 5).msg, GradAck)
+    assert h.take(1, 5) is None  # held until rank 0's part comes
     h.send(0, Heartbeat(req_id=6))
     h.send(0, Fetch(req_id=9, layer=2, min_version=1))  # waits for rank 1's part
     h.now = TIMEOUT + 1

@@ -137,12 +137,14 @@ def test_duplicate_push_in_one_step_is_refused(server, cluster):
         for plan in LAYOUT.layers:
             a.wait(a.init_layer(plan.index, torch.ones(plan.numel).numpy().data))
         g = torch.ones(LAYOUT.layers[0].numel).numpy().data
-        a.wait(a.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32", data=g))
+        first = a.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32", data=g)
         refused(lambda: a.wait(a.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32",
                                            data=g)), "bad_request", "rank")
         refused(lambda: b.wait(b.push_grad(step=0, layer=0, rank=0, slot=-1, dtype="float32",
                                            data=g)), "bad_request", "rank")
+        assert not first.done()  # held, unanswered, until rank 1's part is in
         b.wait(b.push_grad(step=0, layer=0, rank=1, slot=-1, dtype="float32", data=g))
+        a.wait(first)
         # Two workers' gradients of 1 were summed: w = 1 - 0.1 * 2.
         assert torch.allclose(master(a, 0, 1)[:32], torch.full((32,), 0.8))
     finally:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from protocol.checkpoints import resolve
+from protocol.events import ServerStats, read_events
 from worker.config import ModelConfig
 from worker.models import build_model
 
@@ -57,6 +58,27 @@ def test_the_eps_threads_do_not_change_a_bit(cluster, tmp_path):
     cluster.close()
     b = l2l(cluster, tmp_path, model="bert", workers=1, micro_batches=2, server=common)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("update", ["eager", "deferred"])
+def test_global_clipping_equals_clip_grad_norm(cluster, tmp_path, update):
+    """--clip-norm clips the global norm as torch.nn.utils.clip_grad_norm_ does, in both update
+    modes, 2 workers, AdamW, dropout on: the clip is set between the steps' norms, so some
+    steps clip and some do not (eager then takes its speculative updates back and redoes
+    them, or holds the next step); weights within 1e-5 + 1e-4 relative of plain training."""
+    norms: list[float] = []
+    train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS, global_micro_batches=4,
+                   batch_size=4, lr=1e-3, clip_norm=1e9, norms=norms)
+    clip = sorted(norms)[len(norms) // 2]  # the median: clips about half the steps
+    got = l2l(cluster, tmp_path, model="bert", workers=2, micro_batches=2,
+              server=("--clip-norm", str(clip), "--update", update))
+    want = train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS,
+                          global_micro_batches=4, batch_size=4, lr=1e-3, clip_norm=clip)
+    assert_close(got, want)
+    stats = [e for e in read_events(str(tmp_path / "eps-0.events"))
+             if isinstance(e, ServerStats)][-1].stats
+    assert 0 < stats["clipped_steps"] < STEPS
+    assert (stats["rollbacks"] > 0) == (update == "eager")
 
 
 def test_split_does_not_matter(cluster, tmp_path):
