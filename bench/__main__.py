@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bootstrap, engines, gpu, load, memory, optimizer, scale, speed, transfer
+from . import bootstrap, engines, gpu, load, memory, optimizer, scale, speed, states, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -27,13 +27,14 @@ BENCHMARKS = {
     "scale": (scale.add_args, scale.scale),
     "optimizer": (optimizer.add_args, optimizer.optimizer),
     "engines": (engines.add_args, engines.engines),
+    "states": (states.add_args, states.states),  # needs transformers and MiniLM
     "bootstrap": (bootstrap.add_args, bootstrap.bootstrap),  # needs transformers
     "load": (load.add_args, load.load),
     "recovery": (speed.add_args, speed.recovery),
     "metrics": (speed.add_args, speed.metrics),
     "gpu": (gpu.add_args, gpu.gpu),  # see bench/gpu.py; make gpu-check runs it with the tests
 }
-EXTRA = ("scale", "bootstrap", "gpu")  # long, or needing a GPU: not part of "all"
+EXTRA = ("scale", "bootstrap", "gpu", "states")  # long, or needing a GPU: not in "all"
 
 
 def main(argv: list[str] | None = None) -> int:
