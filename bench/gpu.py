@@ -14,7 +14,10 @@ against a baseline measured in the same run, on the same GPU.
               fills the GPU, u has nothing left to amortise
     depth     peak device memory of 24 .. 384 BERT-Large blocks (stash on the host)
     mfu       model FLOPs utilisation of the largest model the host RAM holds (bf16), and
-              where the worker's time goes (its trace)
+              where the worker's time goes (its trace), beside the host's triad bandwidth
+    llama     a Llama-3-shaped Hugging Face model (8B by default: random init on the GPU,
+              save_pretrained in bf16, token ids as data) trained with bf16 optimizer moments:
+              samples/s, MFU, the EPS's bytes per parameter, peak device memory
     peers     FSDP2 (fully_shard + CPUOffloadPolicy) and DeepSpeed ZeRO-3 with offload, same
               model, micro-batches and global batch as L2L: samples/s and peak device memory
 
@@ -25,8 +28,6 @@ harness (the CPU suite does), its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 
 import torch
@@ -36,19 +37,16 @@ from worker.config import ModelConfig
 
 from .common import LiveRows, check, l2l_job, median, steady_step_seconds, table
 from .gpu_parts import (
-    MEM,
-    SHM,
     depth_flat,
     fit_result,
     l2l_fit,
     peak_bytes,
     resident_fit,
-    trace_split,
     transfer_ratios,
 )
 from .local import local_l2l_step_seconds
 
-PIECES = ("transfer", "engines", "overhead", "paper", "depth", "mfu", "peers")
+PIECES = ("transfer", "engines", "overhead", "paper", "depth", "mfu", "llama", "peers")
 BERT_LARGE = dict(model="bert", layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522,
                   classes=2)
 TINY = dict(model="bert", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
@@ -74,6 +72,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="mfu: billions of parameters; 0: the largest the host RAM holds")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="mfu: the GPU's dense bf16 peak; 0: from its name (H100/H200: 989)")
+    p.add_argument("--llama-layers", type=int, default=32,
+                   help="llama: decoder layers of the Llama-3 8B shape (32: 8.0B parameters)")
+    p.add_argument("--llama-states", default="bf16", help="llama: --optimizer-states")
     p.add_argument("--peers", default="fsdp2,deepspeed")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
@@ -103,7 +104,7 @@ def gpu(a) -> dict:
         t0 = time.perf_counter()
         a.live = None
         try:
-            r = globals()[f"bench_{name}"](a)
+            r = piece(name)(a)
         except KeyboardInterrupt:  # the time budget ran out: keep the rows measured so far
             rows = a.live or []
             r = {"stopped": f"interrupted after {len(rows)} rows", "targets": [],
@@ -122,6 +123,13 @@ def gpu(a) -> dict:
     return {"table": "", "pieces": results, "targets": targets,
             "device": torch.cuda.get_device_name(a.device) if cuda else "cpu",
             "torch": torch.__version__}
+
+
+def piece(name: str):
+    """The function of piece ``name`` (the mfu and llama pieces live in gpu_models.py)."""
+    from . import gpu_models
+
+    return globals().get(f"bench_{name}") or getattr(gpu_models, f"bench_{name}")
 
 
 def live(a, headers: list[str]) -> LiveRows:
@@ -165,10 +173,11 @@ def bench_transfer(a) -> dict:
 
 
 def bench_engines(a) -> dict:
-    from .engines import engines
+    from .engines import MODES, engines
 
-    return engines(argparse.Namespace(hidden=64 if a.tiny else 1024, layers=12,
-                                      reps=1 if a.tiny else 3, threads=""))
+    return engines(argparse.Namespace(hidden=64 if a.tiny else 1024, layers=22,
+                                      reps=1 if a.tiny else 3, threads="",
+                                      modes=",".join(MODES)))
 
 
 def bench_overhead(a) -> dict:
@@ -283,50 +292,6 @@ def bench_depth(a) -> dict:
     return {"table": table(f"depth: bf16, stash host, T={seq} u=2 B={mbs}", headers, rows),
             "peak_bytes": peaks, "targets": [check("deepest / shallowest peak device memory",
                                                    ratio, "<=", 1.05)]}
-
-
-def mfu_shape(a) -> dict:
-    """A wide GPT (H=4096, 32 heads) as deep as --mfu-params, or as the host holds: the EPS
-    keeps MEM bytes per parameter (fp32 master, AdamW m and v, the bf16 copy), SHM of them in
-    shared memory, whose file system may be smaller than the RAM."""
-    if a.tiny:
-        return dict(model="gpt", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
-    hidden = 4096
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    shm = os.statvfs("/dev/shm")
-    params = a.mfu_params * 1e9 or min(0.6 * ram / MEM, 0.8 * shm.f_bavail * shm.f_frsize / SHM)
-    layers = max(1, int(params // (12 * hidden**2)))
-    return dict(model="gpt", layers=layers, hidden=hidden, heads=32, ffn=4 * hidden,
-                vocab=32000, classes=2)
-
-
-def bench_mfu(a) -> dict:
-    m = mfu_shape(a)
-    seq, mbs, u = (32, 2, 2) if a.tiny else (1024, 8, 8)
-    with tempfile.TemporaryDirectory(prefix="l2l-mfu-") as tmp:
-        trace = os.path.join(tmp, "trace.json")
-        s = job(a, m, seq=seq, mbs=mbs, u=u, precision="bf16",
-                extra=["--stash", "host", "--trace", trace], steps=a.warmup + a.steps)
-        split = trace_split(trace, skip=a.warmup)
-    params = s["eps"]["params"]
-    step = steady_step_seconds(s, a.warmup)
-    flops = 6 * params * mbs * u * seq / step
-    name = torch.cuda.get_device_name(a.device) if torch.device(a.device).type == "cuda" else ""
-    peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
-    mfu = flops / (peak * 1e12) if peak else float("nan")
-    rows = [[k, v, v / max(sum(split.values()), 1e-9)] for k, v in split.items()]
-    waits = step_waits(s, a.warmup)
-    rows += [["summary: median wait for weights", waits["fetch_wait"], "-"],
-             ["summary: median wait for slots+acks", waits["push_wait"], "-"],
-             ["EPS engines: reducing (engine seconds/step)", waits["eps_reduce_seconds"], "-"],
-             ["EPS engines: updating (engine seconds/step)", waits["eps_update_seconds"], "-"]]
-    return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
-                           f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
-                           f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "
-                           f"{peak:g}; worker main thread by category (host seconds/step)",
-                           ["category", "s/step", "share"], rows),
-            "params": params, "step_seconds": step, "tflops": flops / 1e12, "mfu": mfu,
-            "time_split": split, "waits": waits, "targets": []}
 
 
 def bench_peers(a) -> dict:

@@ -44,7 +44,8 @@ PIECES = [("transfer", "transfer", [], [], 20, 60),
                               "--warmup", "1"], [], 120, 300),
           ("depth", "depth", ["--depths", "24,48,96"], [], 60, 120),
           ("fsdp2", "peers", ["--peers", "fsdp2"], ["--peers", "fsdp2"], 60, 120),
-          ("mfu", "mfu", ["--mfu-params", "2"], [], 90, 180),
+          ("mfu", "mfu", ["--mfu-params", "4"], [], 90, 180),
+          ("llama", "llama", [], [], 150, 300),
           ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120, 240)]
 TINY = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
 

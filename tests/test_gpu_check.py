@@ -315,7 +315,9 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     assert rows["resident"]["fp32"]["batch"] >= 1 and rows["l2l"]["bf16_u4"]["batch"] >= 1
     assert set(pieces["depth"]["peak_bytes"]) == {"2", "4", "8"}
     assert pieces["overhead"]["step_seconds"]["l2lp"] > 0
-    assert min(pieces["engines"]["gb_per_s"].values()) > 0
+    assert min(m["gb_per_s"] for m in pieces["engines"]["modes"].values()) > 0
+    llama = pieces["llama"]
+    assert llama["params"] > 0 and 8 < llama["eps"]["bytes_per_param"] < 40, llama
     assert min(pieces["overhead"]["waits"].values()) >= 0
     md = (out / "gpu-check.md").read_text()
     assert "## paper" in md and "CMP bf16" in md

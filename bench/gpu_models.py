@@ -1,0 +1,148 @@
+"""The GPU benchmarks' model pieces (bench/gpu.py runs them): MFU of a wide GPT as large as
+the host holds, and a Llama-3-shaped Hugging Face model trained with bf16 optimizer moments.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+
+from eps_server.config import available_cores
+
+from .common import check, l2l_job, steady_step_seconds, table
+from .gpu import GIB, PEAK_BF16_TFLOPS, WORKER_THREADS, job, step_waits
+from .gpu_parts import MEM, SHM, peak_bytes, trace_split
+
+
+def mfu_shape(a) -> dict:
+    """A wide GPT (H=4096, 32 heads) as deep as --mfu-params, or as the host holds: the EPS
+    keeps MEM bytes per parameter (fp32 master, AdamW m and v, the bf16 copy), SHM of them in
+    shared memory, whose file system may be smaller than the RAM."""
+    if a.tiny:
+        return dict(model="gpt", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
+    hidden = 4096
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    shm = os.statvfs("/dev/shm")
+    params = a.mfu_params * 1e9 or min(0.6 * ram / MEM, 0.8 * shm.f_bavail * shm.f_frsize / SHM)
+    layers = max(1, int(params // (12 * hidden**2)))
+    return dict(model="gpt", layers=layers, hidden=hidden, heads=32, ffn=4 * hidden,
+                vocab=32000, classes=2)
+
+
+def bench_mfu(a) -> dict:
+    m = mfu_shape(a)
+    seq, mbs, u = (32, 2, 2) if a.tiny else (1024, 8, 8)
+    with tempfile.TemporaryDirectory(prefix="l2l-mfu-") as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        s = job(a, m, seq=seq, mbs=mbs, u=u, precision="bf16",
+                extra=["--stash", "host", "--trace", trace], steps=a.warmup + a.steps)
+        split = trace_split(trace, skip=a.warmup)
+    params = s["eps"]["params"]
+    step = steady_step_seconds(s, a.warmup)
+    flops = 6 * params * mbs * u * seq / step
+    mfu, peak = model_flops_utilisation(a, flops)
+    rows = [[k, v, v / max(sum(split.values()), 1e-9)] for k, v in split.items()]
+    waits = step_waits(s, a.warmup)
+    # The EPS's work a step is bound by the host's memory: one worker's bf16 gradient read to
+    # check it (2 B) and by AdamW with its bf16 copy (28 B), against the triad measured now.
+    from .engines import triad_gb_per_s
+
+    triad = triad_gb_per_s(available_cores(), numel=1 << 22 if a.tiny else 1 << 28)
+    eps_seconds = waits["eps_reduce_seconds"] + waits["eps_update_seconds"]
+    bound = 30 * params / (0.7 * triad * 1e9)
+    rows += [["summary: median wait for weights", waits["fetch_wait"], "-"],
+             ["summary: median wait for slots+acks", waits["push_wait"], "-"],
+             ["EPS engines: checking (seconds/step)", waits["eps_reduce_seconds"], "-"],
+             ["EPS engines: updating (seconds/step)", waits["eps_update_seconds"], "-"],
+             [f"EPS at 0.7 of the host's triad ({triad:.0f} GB/s), 30 B/param", bound, "-"]]
+    return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
+                           f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
+                           f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "
+                           f"{peak:g}; worker main thread by category (host seconds/step)",
+                           ["category", "s/step", "share"], rows),
+            "params": params, "step_seconds": step, "tflops": flops / 1e12, "mfu": mfu,
+            "time_split": split, "waits": waits, "triad_gb_per_s": triad,
+            "eps_seconds_per_step": eps_seconds, "eps_bound_seconds": bound,
+            "targets": [] if a.tiny else [
+                check("MFU", mfu, ">=", 0.55),
+                check("EPS seconds a step / 30 B/param at 0.7 of the triad", eps_seconds / bound,
+                      "<=", 1.0)]}
+
+
+def model_flops_utilisation(a, flops: float) -> tuple[float, float]:
+    """(MFU, the dense bf16 peak it is of: --peak-tflops or from the device's name)."""
+    name = torch.cuda.get_device_name(a.device) if torch.device(a.device).type == "cuda" else ""
+    peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
+    return (flops / (peak * 1e12) if peak else float("nan")), peak
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                rope_theta=500000.0, tie_word_embeddings=False)
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+
+
+def llama_dir(path: str, layers: int, tiny: bool, device: str) -> int:
+    """A save_pretrained directory (bf16 safetensors, no tokenizer: token ids are the data)
+    of a randomly initialised Llama-3-shaped model, built on ``device``; its parameters."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(**(LLAMA_TINY if tiny else LLAMA_8B), num_hidden_layers=layers)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return params
+
+
+def bench_llama(a) -> dict:
+    seq, mbs, u = (32, 2, 2) if a.tiny else (1024, 8, 4)
+    layers = 2 if a.tiny else a.llama_layers
+    with tempfile.TemporaryDirectory(prefix="l2l-llama-") as tmp:
+        t0 = time.perf_counter()
+        params = llama_dir(os.path.join(tmp, "model"), layers, a.tiny, a.device)
+        made = time.perf_counter() - t0
+        vocab = (LLAMA_TINY if a.tiny else LLAMA_8B)["vocab_size"]
+        data = os.path.join(tmp, "tokens.bin")
+        steps = a.warmup + a.steps
+        torch.randint(0, vocab, ((steps + 1) * u * mbs * (seq + 1),),
+                      dtype=torch.int32).numpy().astype("uint32").tofile(data)
+        argv = ["--model", f"hf:{os.path.join(tmp, 'model')}", "--data", data,
+                "--token-dtype", "uint32", "--seq-len", str(seq), "--micro-batch-size",
+                str(mbs), "--micro-batches", str(u), "--device", a.device, "--threads",
+                str(WORKER_THREADS)]
+        s = l2l_job(argv, steps=steps, extra=["--precision", "bf16", "--lr", "1e-5",
+                                              "--optimizer-states", a.llama_states,
+                                              "--stash", "device"],
+                    server=["--server-threads", str(a.server_threads)])
+    step = steady_step_seconds(s, a.warmup)
+    flops = 6 * params * mbs * u * seq / step
+    mfu, peak = model_flops_utilisation(a, flops)
+    eps = s["eps"]
+    rows = [["parameters (B)", params / 1e9], ["model built and saved (s)", made],
+            ["job wall time (s)", s.get("elapsed_seconds", 0.0)], ["s/step", step],
+            ["samples/s", u * mbs / step], ["TFLOP/s", flops / 1e12], ["MFU", mfu],
+            ["EPS bytes/param held", eps.get("bytes_per_param", 0.0)],
+            ["EPS peak RSS growth, bytes/param", eps.get("rss_growth_per_param", 0.0)],
+            ["peak device GiB", peak_bytes(s) / GIB]]
+    return {"table": table(f"llama: Llama-3 shape, {layers} layers, bf16, optimizer states "
+                           f"{a.llama_states}, T={seq} u={u} B={mbs}, stash on the device",
+                           ["", "value"], rows),
+            "params": params, "step_seconds": step, "mfu": mfu, "peak_tflops": peak,
+            "eps": {k: eps.get(k) for k in ("bytes_per_param", "rss_growth_per_param",
+                                            "vmhwm_bytes", "update_seconds",
+                                            "reduce_seconds", "steps_completed")},
+            "peak_bytes": peak_bytes(s), "losses": s["losses"], "targets": []}
