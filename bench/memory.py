@@ -16,10 +16,11 @@ from .common import check, l2l_job, table
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="4,16,64")
     p.add_argument("--stashes", default="device,host,eps")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    # A boundary of 2 MiB (32 x 128 x 128 fp32): a boundary per layer would show at 64 blocks.
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu")
