@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bootstrap, engines, gpu, load, memory, optimizer, scale, speed, states, transfer
+from . import bootstrap, engines, gpu, keep, load, memory, optimizer, scale, speed, states, transfer
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
     "overlap": (speed.add_args, speed.overlap),
     "innerloop": (speed.add_args, speed.innerloop),
     "memory": (memory.add_args, memory.memory),
+    "keep": (keep.add_args, keep.keep),
     "transfer": (transfer.add_args, transfer.transfer),
     "scale": (scale.add_args, scale.scale),
     "optimizer": (optimizer.add_args, optimizer.optimizer),

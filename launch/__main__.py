@@ -114,7 +114,9 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
                      "peak_memory_bytes": w["peak_memory_bytes"],
                      "samples_per_sec": w["samples_per_sec"],
                      "step_seconds": w["step_seconds"],
-                     "fetches_without_round_trip": w["fetches_without_round_trip"]}
+                     "fetches_without_round_trip": w["fetches_without_round_trip"],
+                     "kept_blocks": w.get("kept_blocks", 0),
+                     "kept_block_bytes": w.get("kept_block_bytes", 0)}
                     for w in ranks],
         "config": cli.to_dict(args),
         "model": model_summary(args.model, launcher.eps_stats),

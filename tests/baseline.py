@@ -66,7 +66,8 @@ def assert_close(got: dict, want: dict, atol: float = 1e-5, rtol: float = 1e-4) 
 
 
 def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_size: int,
-                    lr: float = 1e-3, data=None, layer_drop: float = 0.0, source=None
+                    lr: float = 1e-3, data=None, layer_drop: float = 0.0, source=None,
+                    activation_budget_gib: float = 0.0, executors: list | None = None
                     ) -> dict[str, torch.Tensor]:
     """The L2L executor in this process against weights held locally (bench.local.LocalSource,
     the same per-layer AdamW as the EPS): the loop without the server. ``source(model, layout,
@@ -84,7 +85,10 @@ def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_
     task = build_task(model, data, micro_batch_size=batch_size, global_micro_batches=micro_batches)
     ex = Executor(model, layout, source, Sharder(task, batch_size, micro_batches),
                   device=torch.device("cpu"), micro_batches=range(micro_batches), steps=steps,
-                  dropout=model.dropout, seed=mcfg.seed, layer_drop=layer_drop)
+                  dropout=model.dropout, seed=mcfg.seed, layer_drop=layer_drop,
+                  activation_budget_gib=activation_budget_gib)
+    if executors is not None:
+        executors.append(ex)
     for step in range(steps):
         ex.run_step(step)
     named = [named_views(flat, plan) for plan, flat in zip(layout.layers, source.flats)]

@@ -151,6 +151,11 @@ class WorkerConfig:
     stash: Literal["device", "host", "eps"] = "device"
     """Where boundary activations live between forward and backward: device, host (pinned
     host memory; the device itself on CPU) or eps (EPS-owned shared memory)."""
+    activation_budget_gib: float = -1.0
+    """Device memory (GiB) the worker may spend keeping the forward graphs of the last blocks
+    so their backward skips the recompute (worker/keep.py); 0: recompute every block but the
+    last (constant memory in depth); -1: auto, on CUDA the memory free at start (or the
+    --device-memory-gib cap) less the first step's peak and a margin, on the CPU 0."""
     copy_weights: bool = False
     """On CPU, copy each layer into worker buffers instead of reading shared memory in place
     (what CUDA does; for tests and measurements)."""
@@ -209,6 +214,8 @@ class WorkerConfig:
         parse_delays(self.cuda_delay)
         if self.device_memory_gib < 0:
             raise ValueError("device_memory_gib must be >= 0")
+        if self.activation_budget_gib < 0 and self.activation_budget_gib != -1:
+            raise ValueError("activation_budget_gib must be >= 0, or -1 (auto)")
         if bool(self.curve_server_key) != bool(self.curve_key):
             raise ValueError("CURVE needs both curve_server_key and curve_key")
 

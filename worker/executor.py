@@ -4,10 +4,11 @@ backward in reverse with recompute, each layer's gradient pushed as soon as it i
 Per step t (L layers: pre, blocks, post):
 
     forward   for l in 0..L-2:  w = weights(l, t); for each micro-batch: stash input, run stage
-                                (the last block, L-2, runs with grad and keeps its graph)
+                                (the last block, L-2, and as many blocks before it as the
+                                activation budget holds, run with grad and keep their graphs)
     head      l = L-1:          forward + backward of the loss per micro-batch, push grad(L-1)
     backward  for l in L-2..0:  w = weights(l, t); for each micro-batch: recompute stage from
-                                the stash with grad (L-2: use the kept graph), back-propagate,
+                                the stash with grad (or use the kept graph), back-propagate,
                                 accumulate; push grad(l)
 
 Every visit takes its weights, then asks its layer source for the *next* visit's
@@ -34,18 +35,11 @@ from protocol.trace import NULL, Tracer
 
 from .data import Sharder
 from .faults import Fault
+from .heap import heap_trimmer
+from .keep import GraphBudget, Kept, SavedBytes, graph_bytes
 from .models.base import LayeredModel, derive_seed, dropout_seed, seeded
 from .stash import make_stash, members, shaped_like
 from .streams import Streams
-
-
-@dataclass
-class _Kept:
-    """A layer's forward graph kept for its backward (per micro-batch)."""
-
-    leaves: dict[str, torch.Tensor]
-    inputs: list
-    outputs: list
 
 
 @dataclass
@@ -72,7 +66,7 @@ class Executor:
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
                  seed: int, stash: str = "device", tracer: Tracer = NULL,
                  layer_drop: float = 0.0, fault: Fault | None = None,
-                 cuda_delays: dict[str, int] | None = None):
+                 cuda_delays: dict[str, int] | None = None, activation_budget_gib: float = 0.0):
         self.plans = layout.layers
         if len(self.plans) < 2:
             raise ValueError("a layered model needs at least two layers (pre ... post)")
@@ -92,6 +86,9 @@ class Executor:
         self.binders = {kind: model.template(kind, device) for kind in {p.kind for p in self.plans}}
         self.stash = make_stash(stash, source, self.streams, len(self.plans) - 2,
                                 len(self.micro_batches))
+        self.heap = heap_trimmer(device.type, stash)
+        self.budget = GraphBudget(activation_budget_gib, device)
+        self.measured: int | None = None  # bytes a kept block held (its first step)
         # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.
         self.shared: dict[int, set[str]] = {}
         for plan in self.plans:
@@ -104,9 +101,10 @@ class Executor:
                              "(a tie owned by a block): not supported")
 
     def run_step(self, step: int, pushed: frozenset[int] = frozenset()) -> StepResult:
-        """Run ``step``. ``pushed``: layers whose gradient the EPS already has from this rank
-        (a replacement redoing the step its predecessor died in): they are computed through,
-        for the layers below, but not pushed again."""
+        """Run ``step``: the forward loop, then the backward loop. ``pushed``: layers whose
+        gradient the EPS already has from this rank (a replacement redoing the step its
+        predecessor died in): they are computed through, for the layers below, but not pushed
+        again."""
         t0 = time.perf_counter()
         self.waited = {"fetch": 0.0, "push": 0.0}
         if pushed:
@@ -119,51 +117,70 @@ class Executor:
         for layer in sorted(skipped - pushed):  # LayerDrop: neither fetched nor pushed
             self.source.skip(step, self.plans[layer])
         visits = [i for i in range(len(self.plans)) if i not in skipped]
-        last = visits[-1]
-        # The last block runs its forward with grad and keeps the graph until its backward,
-        # which follows the head's at once: one recompute less per step, one layer's memory.
-        keep = visits[-2] if len(visits) >= 3 else -1
-        kept = None
-        xs: list = [None] * len(batches)
-
-        for k, layer in enumerate(visits[:-1]):  # forward, layer-major
-            self.point(step, f"F{layer}")
-            with self.tracer.span(f"F{layer}", "forward"):
-                weights = self._weights(layer, step, requires_grad=layer == keep)
-                self.source.prefetch(visits[k + 1], step)
-                if layer == keep:
-                    kept = self._forward_with_graph(step, layer, weights, xs, batches)
-                    continue  # its weights stay in use until its backward
-                stage = self.binders[self.plans[layer].kind].bind(weights)
-                with torch.no_grad():
-                    for i, batch in enumerate(batches):
-                        if layer > 0:
-                            xs[i] = self.stash.put(layer, i, xs[i])
-                        with self._rng(step, layer, i):
-                            xs[i] = stage(xs[i], batch)
-            self.source.release(layer, step)
-
-        # Backward in reverse visit order; each visit prefetches the next one (layer 0: the
-        # next step's), but the head does not while the kept block's weights are still held.
-        loss, correct = self._backward_visit(step, last, xs, batches,  # head: fwd + bwd
-                                             prefetch=(visits[-2], step) if keep < 0 else None,
-                                             push=last not in pushed)
-        for k in range(len(visits) - 2, -1, -1):
-            after = (visits[k - 1], step) if k else (
-                (0, step + 1) if step + 1 < self.steps else None)
-            self._backward_visit(step, visits[k], xs, batches,
-                                 kept if visits[k] == keep else None, prefetch=after,
-                                 push=visits[k] not in pushed)
-
+        xs, graphs = self._forward(step, visits, batches)
+        loss, correct = self._backward(step, visits, xs, batches, graphs, pushed)
         with self._waiting("push"):
             self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
         self.tied.clear()
+        if self.measured is not None:  # the first step with a kept block: how many fit
+            peak = torch.cuda.max_memory_allocated(self.device) if self.streams.cuda else 0
+            self.budget.decide(self.measured, peak)
+            self.measured = None
         count = sum(int((b.targets != -100).sum()) for b in batches)
         return StepResult(step, float(loss), int(correct), count,
                           len(batches) * self.sharder.size, time.perf_counter() - t0,
                           self.waited["fetch"], self.waited["push"],
                           float(batches[0].norm) if batches else 0.0)
+
+    def _forward(self, step: int, visits: list[int], batches) -> tuple[list, dict[int, Kept]]:
+        """The first loop: each layer but the head, once, over all u micro-batches. A layer's
+        input is stashed for the recompute, or (the last blocks, keep.py) its whole graph is
+        kept for its backward. Returns the last outputs (the head's inputs) and kept graphs."""
+        held, cloned = self.budget.kept(visits)
+        xs: list = [None] * len(batches)
+        graphs: dict[int, Kept] = {}
+        for k, layer in enumerate(visits[:-1]):
+            self.point(step, f"F{layer}")
+            with self.tracer.span(f"F{layer}", "forward"):
+                keep = layer == held or layer in cloned
+                weights = self._weights(layer, step, requires_grad=keep, copy=layer in cloned)
+                self.source.prefetch(visits[k + 1], step)
+                if keep:
+                    graphs[layer] = self._forward_with_graph(step, layer, weights, xs, batches,
+                                                             cloned=layer in cloned)
+                    if layer == held:
+                        continue  # its weights stay in use until its backward, right after
+                else:
+                    stage = self.binders[self.plans[layer].kind].bind(weights)
+                    with torch.no_grad():
+                        for i, batch in enumerate(batches):
+                            if layer > 0:
+                                xs[i] = self.stash.put(layer, i, xs[i])
+                            with self._rng(step, layer, i):
+                                xs[i] = stage(xs[i], batch)
+            self.source.release(layer, step)
+        return xs, graphs
+
+    def _backward(self, step: int, visits: list[int], xs: list, batches,
+                  graphs: dict[int, Kept], pushed: frozenset[int]):
+        """The second loop: the head (the loss's forward and backward), then every layer in
+        reverse over all u micro-batches, from its kept graph or recomputed from the stash;
+        each visit prefetches the next one that needs weights (layer 0: the next step's),
+        but the head does not while the last block's weights are still held. Returns the
+        summed (loss, correct)."""
+        order = visits[::-1]
+        head_sums = None
+        for j, layer in enumerate(order):
+            fetching = [v for v in order[j + 1:] if v not in graphs]
+            after = (fetching[0], step) if fetching else (
+                (0, step + 1) if step + 1 < self.steps else None)
+            if j == 0 and any(not g.cloned for g in graphs.values()):
+                after = None
+            sums = self._backward_visit(step, layer, xs, batches, graphs.pop(layer, None),
+                                        prefetch=after, push=layer not in pushed)
+            head_sums = head_sums or sums
+        return head_sums
 
     @contextlib.contextmanager
     def _waiting(self, what: str):
@@ -174,12 +191,16 @@ class Executor:
         finally:
             self.waited[what] += time.perf_counter() - t
 
-    def _weights(self, layer: int, step: int, requires_grad: bool) -> dict[str, torch.Tensor]:
-        """The visit's tensors by name: views of the layer's flat weights, and its tied
-        tensors (copied when their owner was visited in the forward pass)."""
+    def _weights(self, layer: int, step: int, requires_grad: bool,
+                 copy: bool = False) -> dict[str, torch.Tensor]:
+        """The visit's tensors by name: views of the layer's flat weights (``copy``: private
+        copies, so the layer's buffer can go back), and its tied tensors (copied when their
+        owner was visited in the forward pass)."""
         plan = self.plans[layer]
         with self._waiting("fetch"):
             flat = self.source.weights(layer, step)
+        if copy:
+            flat = flat.clone()
         named = named_views(flat, plan)
         for name in self.shared.get(layer, ()):
             if (layer, name) not in self.tied:
@@ -191,21 +212,26 @@ class Executor:
         return named
 
     def _forward_with_graph(self, step: int, layer: int, leaves: dict, xs: list,
-                            batches) -> _Kept:
-        """Forward of ``layer`` with grad, keeping inputs, outputs and weight leaves."""
+                            batches, cloned: bool) -> Kept:
+        """Forward of ``layer`` with grad, keeping inputs, outputs and weight leaves (the
+        first time, counting the bytes the graph holds)."""
         stage = self.binders[self.plans[layer].kind].bind(leaves)
-        kept = _Kept(leaves, [], [])
-        for i, batch in enumerate(batches):
-            x_in = _grad_inputs(xs[i])
-            with torch.enable_grad(), self._rng(step, layer, i):
-                out = stage(x_in, batch)
-            kept.inputs.append(x_in)
-            kept.outputs.append(out)
-            xs[i] = shaped_like(out, [t.detach() for t in members(out)])
+        kept = Kept(leaves, cloned=cloned)
+        saved = SavedBytes() if self.budget.measuring() else None
+        with saved.hooks() if saved else contextlib.nullcontext():
+            for i, batch in enumerate(batches):
+                x_in = _grad_inputs(xs[i])
+                with torch.enable_grad(), self._rng(step, layer, i):
+                    out = stage(x_in, batch)
+                kept.inputs.append(x_in)
+                kept.outputs.append(out)
+                xs[i] = shaped_like(out, [t.detach() for t in members(out)])
+        if saved is not None:
+            self.measured = graph_bytes(kept, saved)
         return kept
 
     def _backward_visit(self, step: int, layer: int, dx: list, batches,
-                        kept: _Kept | None = None, prefetch: tuple[int, int] | None = None,
+                        kept: Kept | None = None, prefetch: tuple[int, int] | None = None,
                         push: bool = True):
         """Recompute ``layer`` per micro-batch with grad (or take its ``kept`` graph),
         back-propagate ``dx`` (replaced in place by the gradient w.r.t. the layer's input),
@@ -214,8 +240,8 @@ class Executor:
         (loss, correct) is returned."""
         plan = self.plans[layer]
         head = layer == len(self.plans) - 1
-        loss_sum = torch.zeros((), device=self.device)
-        correct_sum = torch.zeros((), dtype=torch.long, device=self.device)
+        sums = (torch.zeros((), device=self.device),
+                torch.zeros((), dtype=torch.long, device=self.device))
         self.point(step, f"{'H' if head else 'B'}{layer}")
         with self.tracer.span(f"{'H' if head else 'B'}{layer}", "backward"):
             leaves = kept.leaves if kept else self._weights(layer, step, requires_grad=True)
@@ -237,52 +263,57 @@ class Executor:
                 if kept:
                     x_in, out = kept.inputs[i], kept.outputs[i]
                 else:
-                    if head:
-                        x_in = _grad_inputs(dx[i])
-                    elif layer > 0:
-                        x_in = _grad_inputs(self.stash.pop(layer, i))
-                    else:
-                        x_in = None
+                    x_in = (_grad_inputs(dx[i]) if head else
+                            _grad_inputs(self.stash.pop(layer, i)) if layer > 0 else None)
                     with torch.enable_grad(), self._rng(step, layer, i):
                         out = stage(x_in, batch)
                 # the next stashed input comes back to the device while this one computes
                 self.stash.fetch(*((layer, i + 1) if i + 1 < len(batches) else (after_this, 0)))
                 if head:
                     out, correct = out
-                    loss_sum += out.detach()
-                    correct_sum += correct
+                    sums[0].add_(out.detach())
+                    sums[1].add_(correct)
                     outputs, grad_out = [out * scale if scale != 1.0 else out], None
                 else:
                     pairs = [(o, g) for o, g in zip(members(out), members(dx[i]))
                              if g is not None and o.requires_grad]
                     outputs, grad_out = [o for o, _ in pairs], [g for _, g in pairs]
-                x_parts = [] if x_in is None else [t for t in members(x_in) if t.requires_grad]
-                grads = torch.autograd.grad(outputs, [*x_parts, *weights], grad_out,
-                                            allow_unused=True, materialize_grads=True)
-                if x_in is not None:
-                    it = iter(grads[:len(x_parts)])
-                    dx[i] = shaped_like(x_in, [next(it) if t.requires_grad else None
-                                               for t in members(x_in)])
-                grads = grads[len(x_parts):]
-                own = list(grads[:len(targets)])
-                if not targets:
-                    pass  # already pushed
-                elif i == 0:
-                    torch._foreach_copy_(targets, own)
-                else:
-                    torch._foreach_add_(targets, own)
-                for buf, g in zip(tie_targets, grads[len(targets):]):
-                    buf.add_(g)  # several readers (or tensors) may share one buffer
+                self._accumulate(outputs, grad_out, x_in, weights, dx, i, targets, tie_targets)
             if push:
                 self._add_tie_grads(layer, acc)
-        self.source.release(layer, step)
+        if not (kept and kept.cloned):  # a kept copy's buffer went back in the forward
+            self.source.release(layer, step)
         if push:
             self.source.push(step, plan, slot, acc)
-        return loss_sum, correct_sum
+        return sums
+
+    def _accumulate(self, outputs, grad_out, x_in, weights, dx: list, i: int, targets,
+                    tie_targets) -> None:
+        """Back-propagate one micro-batch: ``dx[i]`` becomes the gradient w.r.t. the input,
+        the weights' gradients go into ``targets`` (the first micro-batch copies, the others
+        add; none: already pushed), the tied tensors' into their fp32 buffers."""
+        x_parts = [] if x_in is None else [t for t in members(x_in) if t.requires_grad]
+        grads = torch.autograd.grad(outputs, [*x_parts, *weights], grad_out,
+                                    allow_unused=True, materialize_grads=True)
+        if x_in is not None:
+            it = iter(grads[:len(x_parts)])
+            dx[i] = shaped_like(x_in, [next(it) if t.requires_grad else None
+                                       for t in members(x_in)])
+        grads = grads[len(x_parts):]
+        own = list(grads[:len(targets)])
+        if not targets:
+            pass  # already pushed
+        elif i == 0:
+            torch._foreach_copy_(targets, own)
+        else:
+            torch._foreach_add_(targets, own)
+        for buf, g in zip(tie_targets, grads[len(targets):]):
+            buf.add_(g)  # several readers (or tensors) may share one buffer
 
     def point(self, step: int, point: str) -> None:
         """The loop reached ``point`` of ``step`` (a visit starts, or E: the step is done and
         reported): it made progress (its heartbeats go on), and --fault fires there."""
+        self.heap.tick()
         self.source.tick()
         self.streams.stall("compute")  # testing (--cuda-delay): the visit's kernels run late
         if self.fault is not None:
