@@ -136,147 +136,193 @@ def cap_device_memory(device: torch.device, gib: float) -> None:
         torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
 
 
-def run_worker(args: WorkerArgs) -> dict:
-    """Train; returns this worker's summary (also written to --summary-json)."""
-    cfg, mcfg = args.worker, args.model
-    keys = client_keys(cfg.curve_server_key, cfg.curve_key)  # a bad key fails before any work
-    torch.set_num_threads(cfg.threads)
-    worker_device(cfg.device, max(cfg.rank, 0))  # a bad device fails before the join
-    model = build_model(mcfg)
-    # The data is read and checked before the job is joined: a bad file costs nobody a step.
-    task = build_task(model, args.data, micro_batch_size=cfg.micro_batch_size,
-                      global_micro_batches=cfg.global_micro_batches)
-    evalset = build_eval(model, args.data, cfg.micro_batch_size, max(cfg.rank, 0),
-                         cfg.world_size)
-    manifest = model.manifest()
-    layout = plan_layout(manifest)
-    # a bad path fails before the join, unless it names the rank (known after the join)
-    events = None if "{rank}" in cfg.events else EventWriter(cfg.events)
-    client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=keys)
-    source = welcome = tracer = memory = None
-    summary_path = ""
-    results: list[StepResult] = []
-    evals: list[dict] = []
-    done = False
-    elapsed, peak = 0.0, 0
-    try:
+class WorkerJob:
+    """One worker's life, in the order its methods run: ``join`` the EPS's job, ``bootstrap``
+    the EPS's weights if asked, ``train`` (evaluating when due), ``save`` the model (rank 0),
+    ``leave``; ``run`` strings them together with the teardown in one place. What can be
+    checked before the join (options, device, model, data, files) is, in the constructor: a
+    bad one costs nobody a step."""
+
+    def __init__(self, args: WorkerArgs):
+        self.args, self.cfg, self.mcfg = args, args.worker, args.model
+        cfg = self.cfg
+        self.keys = client_keys(cfg.curve_server_key, cfg.curve_key)
+        torch.set_num_threads(cfg.threads)
+        worker_device(cfg.device, max(cfg.rank, 0))
+        self.model = build_model(self.mcfg)
+        self.task = build_task(self.model, args.data, micro_batch_size=cfg.micro_batch_size,
+                               global_micro_batches=cfg.global_micro_batches)
+        self.evalset = build_eval(self.model, args.data, cfg.micro_batch_size, max(cfg.rank, 0),
+                                  cfg.world_size)
+        self.manifest = self.model.manifest()
+        self.layout = plan_layout(self.manifest)
+        # a bad path fails before the join, unless it names the rank (known after the join)
+        self.events = None if "{rank}" in cfg.events else EventWriter(cfg.events)
+        self.client = EpsClient(cfg.endpoint, cfg.eps_timeout, curve=self.keys)
+        self.source = self.welcome = self.tracer = self.memory = self.executor = None
+        self.device = torch.device(cfg.device)
+        self.summary_path = ""
+        self.results: list[StepResult] = []
+        self.evals: list[dict] = []
+        self.eval_batches: list = []
+        self.eval_seconds = 0.0
+        self.done = False
+        self.elapsed, self.peak = 0.0, 0
+
+    def run(self) -> dict:
+        """Train; returns this worker's summary (also written to --summary-json)."""
+        try:
+            self.join()
+            self.bootstrap()
+            self.train()
+            self.save()
+            self.done = True
+        finally:
+            self.leave()
+        return self.summary()
+
+    def join(self) -> None:
+        """Hello (the EPS assigns the rank where it was -1), then the per-rank set-up."""
+        cfg = self.cfg
         log.info("saying Hello to the EPS at %s (waiting for it up to %g s)", cfg.endpoint,
                  cfg.eps_timeout)  # started before it, a worker would otherwise say nothing
-        welcome = join(client, cfg.eps_timeout, rank=cfg.rank,
-                       world_size=cfg.world_size, manifest=manifest, transport=cfg.transport,
-                       grad_dtype=cfg.grad_dtype)
+        self.welcome = welcome = join(
+            self.client, cfg.eps_timeout, rank=cfg.rank, world_size=cfg.world_size,
+            manifest=self.manifest, transport=cfg.transport, grad_dtype=cfg.grad_dtype)
         if not 0 <= welcome.rank < cfg.world_size:
             raise EpsError("bad_message", f"the EPS assigned rank {welcome.rank}", "rank")
         if cfg.rank != welcome.rank:  # asked for any rank (-1): this is the one assigned
-            cfg = replace(cfg, rank=welcome.rank)
-            if evalset is not None:
-                evalset = EvalSet(evalset.task, cfg.micro_batch_size, cfg.rank, cfg.world_size)
+            cfg = self.cfg = replace(cfg, rank=welcome.rank)
+            if self.evalset is not None:
+                self.evalset = EvalSet(self.evalset.task, cfg.micro_batch_size, cfg.rank,
+                                       cfg.world_size)
         LOG_RANK.rank = str(cfg.rank)
         if cfg.summary_json:  # its folder made now: an unwritable one fails before training
-            summary_path = summary_file(cfg.summary_json, cfg.rank, welcome.run_id)
-            os.makedirs(os.path.dirname(os.path.abspath(summary_path)), exist_ok=True)
-        events = events or EventWriter(per_rank(cfg.events, cfg.rank))
-        device = worker_device(cfg.device, cfg.rank)
+            self.summary_path = summary_file(cfg.summary_json, cfg.rank, welcome.run_id)
+            os.makedirs(os.path.dirname(os.path.abspath(self.summary_path)), exist_ok=True)
+        self.events = self.events or EventWriter(per_rank(cfg.events, cfg.rank))
+        self.device = device = worker_device(cfg.device, cfg.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             cap_device_memory(device, cfg.device_memory_gib)
-        memory = PeakMemory(device)  # from before the bootstrap: the whole life of the worker
-        tracer = Tracer(per_rank(cfg.trace, cfg.rank), f"l2l-worker {cfg.rank}")
-        client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
-        events.emit(Joined(rank=cfg.rank, pid=os.getpid(), step=welcome.step,
-                           pushed=len(welcome.pushed), rejoined=welcome.rejoined))
+        self.memory = PeakMemory(device)  # from before the bootstrap: the worker's whole life
+        self.tracer = Tracer(per_rank(cfg.trace, cfg.rank), f"l2l-worker {cfg.rank}")
+        self.client.start_heartbeats(welcome.heartbeat_interval, cfg.stall_timeout)
+        self.events.emit(Joined(rank=cfg.rank, pid=os.getpid(), step=welcome.step,
+                                pushed=len(welcome.pushed), rejoined=welcome.rejoined))
         log.info("rank %d: %s run %s at step %d on %s (%d layers, %.2fM params, compute %s, "
                  "gradients %s)%s", cfg.rank, "rejoined" if welcome.rejoined else "joined",
-                 welcome.run_id, welcome.step, device, len(layout.layers),
-                 manifest.num_params / 1e6, welcome.compute_dtype, welcome.grad_dtype,
+                 welcome.run_id, welcome.step, device, len(self.layout.layers),
+                 self.manifest.num_params / 1e6, welcome.compute_dtype, welcome.grad_dtype,
                  f"; {len(welcome.pushed)} layers of it pushed already" if welcome.pushed
                  else "")
+
+    def bootstrap(self) -> None:
+        """Send the EPS the initial weights it asked this worker for; then the loop's parts."""
+        cfg, welcome = self.cfg, self.welcome
         if welcome.init_layers:
             t0 = time.perf_counter()
-            bootstrap(client, model.loader(), layout, welcome.init_layers)
-            model.drop_loader()  # its files stay mapped only while they are read
+            bootstrap(self.client, self.model.loader(), self.layout, welcome.init_layers)
+            self.model.drop_loader()  # its files stay mapped only while they are read
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
-        sharder = Sharder(task, cfg.micro_batch_size, cfg.global_micro_batches)
-        source = make_source(client, welcome, layout, cfg, device, tracer)
-        executor = Executor(model, layout, source, sharder, device=device,
-                            micro_batches=cfg.my_micro_batches(), steps=cfg.steps,
-                            dropout=model.dropout, seed=mcfg.seed, stash=cfg.stash,
-                            tracer=tracer, layer_drop=cfg.layer_drop,
-                            cuda_delays=parse_delays(cfg.cuda_delay),
-                            fault=None if welcome.rejoined else Fault.parse(cfg.fault,
-                                                                            cfg.rank))
-        eval_batches = evalset.batches() if evalset is not None else []
-        eval_seconds = 0.0
+        sharder = Sharder(self.task, cfg.micro_batch_size, cfg.global_micro_batches)
+        self.source = make_source(self.client, welcome, self.layout, cfg, self.device,
+                                  self.tracer)
+        self.executor = Executor(
+            self.model, self.layout, self.source, sharder, device=self.device,
+            micro_batches=cfg.my_micro_batches(), steps=cfg.steps, dropout=self.model.dropout,
+            seed=self.mcfg.seed, stash=cfg.stash, tracer=self.tracer, layer_drop=cfg.layer_drop,
+            cuda_delays=parse_delays(cfg.cuda_delay),
+            activation_budget_gib=cfg.activation_budget_gib,
+            fault=None if welcome.rejoined else Fault.parse(cfg.fault, cfg.rank))
+        self.eval_batches = self.evalset.batches() if self.evalset is not None else []
 
-        def evaluate(version: int) -> None:
-            nonlocal eval_seconds
-            t0 = time.perf_counter()
-            loss, correct, count = executor.evaluate(version, eval_batches,
-                                                     prefetch_after=version < cfg.steps)
-            evals.append({"step": version, "loss_sum": loss, "correct": correct,
-                          "count": count})
-            events.emit(EvalDone(rank=cfg.rank, step=version, loss_sum=loss, correct=correct,
-                                 count=count, objective=model.objective))
-            eval_seconds += time.perf_counter() - t0
-
+    def train(self) -> None:
+        """The steps from where the job stands, each reported; evaluations when due (not
+        counted in the training time)."""
+        cfg, welcome = self.cfg, self.welcome
         t_start = time.perf_counter()
-        trained_samples, trained_seconds = 0, 0.0  # of this worker's steps
-        if evalset is not None and not welcome.rejoined:  # (a replacement: the others did)
-            evaluate(welcome.step)  # before training (on resume: where it stands)
+        samples, seconds = 0, 0.0  # of this worker's steps
+        if self.evalset is not None and not welcome.rejoined:  # (a replacement: the others did)
+            self.evaluate(welcome.step)  # before training (on resume: where it stands)
         for step in range(welcome.step, cfg.steps):
-            r = executor.run_step(step, frozenset(welcome.pushed) if step == welcome.step
-                                  else frozenset())
-            results.append(r)
-            trained_samples += r.samples
-            trained_seconds += r.seconds
+            r = self.executor.run_step(step, frozenset(welcome.pushed) if step == welcome.step
+                                       else frozenset())
+            self.results.append(r)
+            samples, seconds = samples + r.samples, seconds + r.seconds
             try:
-                client.report(report(r, trained_samples, trained_seconds, memory))
+                self.client.report(report(r, samples, seconds, self.memory))
             except ValueError as e:  # a figure out of range: the report is skipped, not the step
                 log.debug("no report for step %d: %s", r.step, e)
-            events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss, correct=r.correct,
-                                 count=r.count, samples=r.samples, seconds=r.seconds,
-                                 fetch_wait=round(r.fetch_wait, 6),
-                                 push_wait=round(r.push_wait, 6)))
-            executor.point(step, "E")
-            every = args.data.eval_every
-            if evalset is not None and (step + 1 == cfg.steps or every and (step + 1) % every
-                                        == 0):
-                evaluate(step + 1)
-        elapsed = time.perf_counter() - t_start - eval_seconds
-        peak = memory.value()
+            self.events.emit(StepDone(rank=cfg.rank, step=r.step, loss=r.loss,
+                                      correct=r.correct, count=r.count, samples=r.samples,
+                                      seconds=r.seconds, fetch_wait=round(r.fetch_wait, 6),
+                                      push_wait=round(r.push_wait, 6)))
+            self.executor.point(step, "E")
+            every = self.args.data.eval_every
+            if self.evalset is not None and (step + 1 == cfg.steps or every and (step + 1)
+                                             % every == 0):
+                self.evaluate(step + 1)
+        self.elapsed = time.perf_counter() - t_start - self.eval_seconds
+        self.peak = self.memory.value()
+
+    def evaluate(self, version: int) -> None:
+        t0 = time.perf_counter()
+        loss, correct, count = self.executor.evaluate(
+            version, self.eval_batches, prefetch_after=version < self.cfg.steps)
+        self.evals.append({"step": version, "loss_sum": loss, "correct": correct,
+                           "count": count})
+        self.events.emit(EvalDone(rank=self.cfg.rank, step=version, loss_sum=loss,
+                                  correct=correct, count=count, objective=self.model.objective))
+        self.eval_seconds += time.perf_counter() - t0
+
+    def save(self) -> None:
+        cfg = self.cfg
         if cfg.save and cfg.rank == 0:
-            save_model(client, source.regions, model, layout, cfg.steps, cfg.save,
-                       {"format": "pt", "model_config": json.dumps(asdict(mcfg)),
-                        "steps": str(cfg.steps)})
+            save_model(self.client, self.source.regions, self.model, self.layout, cfg.steps,
+                       cfg.save, {"format": "pt", "model_config": json.dumps(asdict(self.mcfg)),
+                                  "steps": str(cfg.steps)})
             log.info("rank 0: model saved to %s", cfg.save)
-        done = True
-    finally:
-        if memory is not None:
-            memory.close()
-        if welcome is not None:  # the EPS drops this worker's waiting Fetches
-            client.bye(cfg.rank, done=done)
-        client.close()  # fails whatever is still pending, so helper threads can finish
-        if source is not None:
-            source.close()
-        if tracer is not None:
-            tracer.close()
-        if events is not None:
-            events.close()
-    samples = sum(r.samples for r in results)
-    summary = {
-        "rank": cfg.rank, "world_size": cfg.world_size, "device": str(device), "pid": os.getpid(),
-        "first_step": results[0].step if results else cfg.steps,
-        "steps": len(results), "losses": [r.mean_loss for r in results],
-        "correct": [r.correct for r in results], "counts": [r.count for r in results],
-        "step_seconds": [r.seconds for r in results], "samples": samples,
-        "seconds": elapsed, "samples_per_sec": samples / elapsed if elapsed > 0 else 0.0,
-        "peak_memory_bytes": peak, "model": asdict(mcfg), "data": asdict(args.data),
-        "objective": model.objective,
-        "fetches_without_round_trip": source.fast_fetches, "evals": evals,
-        "pinned_regions": source.regions.registered, "unpinned_regions": source.regions.refused,
-        "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
-    }
-    if summary_path:
-        with open(summary_path, "w") as f:
-            json.dump(summary, f, indent=1)
-    return summary
+
+    def leave(self) -> None:
+        """Bye (the EPS drops this worker's waiting Fetches), and everything closed, whatever
+        happened: the client first, failing what is still pending, so helper threads end."""
+        if self.memory is not None:
+            self.memory.close()
+        if self.welcome is not None:
+            self.client.bye(self.cfg.rank, done=self.done)
+        self.client.close()
+        for part in (self.source, self.tracer, self.events):
+            if part is not None:
+                part.close()
+
+    def summary(self) -> dict:
+        cfg, results, budget = self.cfg, self.results, self.executor.budget
+        samples = sum(r.samples for r in results)
+        summary = {
+            "rank": cfg.rank, "world_size": cfg.world_size, "device": str(self.device),
+            "pid": os.getpid(), "first_step": results[0].step if results else cfg.steps,
+            "steps": len(results), "losses": [r.mean_loss for r in results],
+            "correct": [r.correct for r in results], "counts": [r.count for r in results],
+            "step_seconds": [r.seconds for r in results], "samples": samples,
+            "seconds": self.elapsed,
+            "samples_per_sec": samples / self.elapsed if self.elapsed > 0 else 0.0,
+            "peak_memory_bytes": self.peak, "model": asdict(self.mcfg),
+            "data": asdict(self.args.data), "objective": self.model.objective,
+            "fetches_without_round_trip": self.source.fast_fetches, "evals": self.evals,
+            "activation_budget_bytes": budget.bytes,
+            "kept_blocks": budget.blocks + 1,  # and the last, always kept
+            "kept_block_bytes": budget.per_block,
+            "pinned_regions": self.source.regions.registered,
+            "unpinned_regions": self.source.regions.refused,
+            "config": {k: v for k, v in asdict(cfg).items() if k != "endpoint"},
+        }
+        if self.summary_path:
+            with open(self.summary_path, "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary
+
+
+def run_worker(args: WorkerArgs) -> dict:
+    """Train; returns this worker's summary (also written to --summary-json)."""
+    return WorkerJob(args).run()
