@@ -317,12 +317,18 @@ def bench_peers(a) -> dict:
     torch.set_num_threads(a.server_threads or max(1, available_cores() - WORKER_THREADS))
     rows, out = live(a, headers), {}
     for p in ("fp32",) if a.tiny else ("bf16",):
-        s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p, extra=["--stash", "host"])
-        mine = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
-                "peak_bytes": peak_bytes(s), "losses": s["losses"]}
-        out["l2l"] = mine
-        rows.append(["l2l (EPS + 1 worker)", mine["samples_per_sec"], mine["peak_bytes"] / GIB,
-                     1.0, s["losses"][-1]])
+        # budget 0 (every block but the last recomputed), then the default auto budget
+        for key, budget in (("l2l_budget0", "0"), ("l2l", "-1")):
+            s = job(a, m, seq=seq, mbs=mbs, u=u, precision=p,
+                    extra=["--stash", "host", "--activation-budget-gib", budget])
+            mine = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
+                    "peak_bytes": peak_bytes(s), "losses": s["losses"],
+                    "kept_blocks": s["workers"][0]["kept_blocks"]}
+            out[key] = mine
+            rows.append([f"l2l (EPS + 1 worker), activation budget {'auto' if key == 'l2l' else 0}"
+                         f": {mine['kept_blocks']} blocks kept", mine["samples_per_sec"],
+                         mine["peak_bytes"] / GIB, 1.0, s["losses"][-1]])
+        rows[-2][3] = mine["samples_per_sec"] / out["l2l_budget0"]["samples_per_sec"]
         for name in names:
             try:
                 r = PEERS[name](mcfg, micro_batches=u, batch_size=mbs, steps=a.steps,

@@ -1,9 +1,14 @@
 """What users compare l2l with on one GPU: the same assembled model (same micro-batches, same
-global batch, AdamW, per-block activation checkpointing) trained by
+global batch, AdamW) trained as each system's users run it:
 
-    fsdp2      PyTorch FSDP2, fully_shard per block and the root, CPUOffloadPolicy (parameters,
-               gradients and AdamW on the host; each block gathered to the GPU for its
-               forward, its recompute and its backward, for every micro-batch), one process
+    resident    the whole model on the GPU: fp32 master, bf16 autocast, fused AdamW, gradient
+                accumulation, no activation checkpointing (where it fits)
+    fsdp2       PyTorch FSDP2, fully_shard per block and the root, CPUOffloadPolicy (parameters,
+                gradients and AdamW on the host; each block gathered to the GPU for its
+                forward, its recompute and its backward, for every micro-batch), one process,
+                fused CPU AdamW (fused=True, as a PyTorch user passes), per-block activation
+                checkpointing
+    fsdp2-noac  the same without activation checkpointing
     deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
                (DeepSpeedCPUAdam, built at first use), if it is installed
 
@@ -17,6 +22,7 @@ CUDA device, or DS_ACCELERATOR=cpu) with the same ZeRO-3 configuration and its C
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import socket
@@ -38,7 +44,8 @@ def missing(name: str) -> str:
     """Why peer ``name`` cannot run here ("" if it can), without importing it."""
     if name not in PEERS:
         return f"unknown peer (peers: {', '.join(PEERS)})"
-    module = {"fsdp2": "torch.distributed.fsdp", "deepspeed": "deepspeed"}[name]
+    module = {"resident": "torch", "fsdp2": "torch.distributed.fsdp",
+              "fsdp2-noac": "torch.distributed.fsdp", "deepspeed": "deepspeed"}[name]
     try:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
@@ -58,9 +65,38 @@ def _peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else private_rss()
 
 
+def resident(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
+             warmup: int, device: str, precision: str, lr: float = LR,
+             weight_decay: float = WEIGHT_DECAY) -> dict:
+    dev = torch.device(device)
+    net = build_model(mcfg).assemble().train().to(dev)
+    opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr,
+                            fused=True)
+    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+    losses: list[float] = []
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step(i: int) -> None:
+        total = torch.zeros((), device=dev)
+        for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
+            with autocast:
+                loss, _ = net(batch.to(dev), rng=(mcfg.seed, i, index), checkpoint=False)
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total.item())
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    seconds = timed_steps(step, steps, warmup, dev)
+    return {"samples_per_sec": micro_batches * batch_size / seconds, "step_seconds": seconds,
+            "peak_bytes": int(_peak(dev)), "losses": losses}
+
+
 def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int, warmup: int,
-          device: str, precision: str, lr: float = LR, weight_decay: float = WEIGHT_DECAY
-          ) -> dict:
+          device: str, precision: str, lr: float = LR, weight_decay: float = WEIGHT_DECAY,
+          checkpoint: bool = True) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -94,14 +130,15 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
         for block in net.blocks:
             fully_shard(block, **kw)
         fully_shard(net, **kw)
-        opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr)
+        opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr,
+                                fused=True)
         sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
         losses: list[float] = []
 
         def step(i: int) -> None:
             total = torch.zeros((), device=dev)
             for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
-                loss, _ = net(batch.to(dev), rng=(mcfg.seed, i, index), checkpoint=True)
+                loss, _ = net(batch.to(dev), rng=(mcfg.seed, i, index), checkpoint=checkpoint)
                 loss.backward()
                 total += loss.detach()
             opt.step()
@@ -193,4 +230,5 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-PEERS = {"fsdp2": fsdp2, "deepspeed": deepspeed}
+PEERS = {"resident": resident, "fsdp2": fsdp2,
+         "fsdp2-noac": functools.partial(fsdp2, checkpoint=False), "deepspeed": deepspeed}

@@ -138,7 +138,8 @@ def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
     mcfg = ModelConfig(**TINY, seq_len=16, dropout=0.1)
     fit = resident_fit(mcfg, "fp32", "cpu", 0, steps=1, warmup=1, limit=2)
     assert fit["batch"] == 2 and fit["samples_per_sec"] > 0 and fit["peak_bytes"] > 0
-    peer_trains_the_resident_model("fsdp2")
+    for name in ("resident", "fsdp2", "fsdp2-noac"):
+        peer_trains_the_resident_model(name)
 
 
 def test_an_l2l_job_out_of_device_memory_is_tried_again_at_half_the_micro_batch():
@@ -300,15 +301,17 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     for name, piece in pieces.items():
         assert "error" not in piece and "stopped" not in piece and "not_run" not in piece, \
             (name, piece)
-    peers = ["fsdp2"]
+    peers = {"fsdp2": ["resident", "fsdp2", "fsdp2-noac"]}
     if importlib.util.find_spec("deepspeed") is None:
         assert "not installed" in pieces["deepspeed"]["skipped"]
     else:
-        peers.append("deepspeed")
-    for name in peers:  # fp32 here: the peer and the L2L job take the same steps
-        systems = pieces[name]["systems"]
-        assert systems[name]["samples_per_sec"] > 0, systems
-        assert systems[name]["losses"] == pytest.approx(systems["l2l"]["losses"], rel=1e-5)
+        peers["deepspeed"] = ["deepspeed"]
+    for piece, names in peers.items():  # fp32 here: the peers and L2L take the same steps
+        systems = pieces[piece]["systems"]
+        for name in names:
+            assert systems[name]["samples_per_sec"] > 0, systems
+            assert systems[name]["losses"] == pytest.approx(systems["l2l"]["losses"],
+                                                            rel=1e-5)
     assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
