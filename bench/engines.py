@@ -22,6 +22,7 @@ per chunk with its copy: 38 B/param on one engine's threads), measured in the sa
 from __future__ import annotations
 
 import argparse
+import math
 import threading
 import time
 
@@ -33,6 +34,7 @@ from eps_server.engines import Action, Engines, Part, Update
 from eps_server.layer_math import LayerMath
 from eps_server.optimizers import make_optimizer
 from eps_server.pool import MathPool
+from eps_server.speculation import StepNorms
 
 from .common import check, median, table
 from .optimizer import bert_layer
@@ -111,8 +113,11 @@ def step_seconds(model: Model, threads: int, action: Action, layers: list[int],
             done[0] = 0
             all_done.clear()
             t0 = time.perf_counter()
+            # speculative: the step's norms, never above the clip (every update stands)
+            norms = StepNorms(len(layers), math.inf) if action is Action.SPECULATE else None
             for layer in layers:
-                engines.submit(Update(layer, t, model.parts(layer), action, 1.0, model.cfg))
+                engines.submit(Update(layer, t, model.parts(layer), action, 1.0, model.cfg,
+                                      norms))
             if not all_done.wait(600) or errors:
                 raise RuntimeError(f"the engines did not finish a step: {errors or 'in 600 s'}")
             if t:
