@@ -36,8 +36,11 @@ DELAY = "2000"  # microseconds a stream spins: longer than any of these layers' 
 
 
 def train(cluster, path, workers: int, *extra: str, micro_batches: int = 2) -> dict:
+    """Activation budget 0 unless ``extra`` says otherwise: the stash paths are what these
+    tests exercise (auto would keep every block of these small models)."""
     cluster.run_job(workers, *SMALL, *DEVICE, "--steps", str(STEPS), "--micro-batches",
-                    str(micro_batches), "--save", str(path), *extra,
+                    str(micro_batches), "--save", str(path), "--activation-budget-gib", "0",
+                    *extra,
                     server_args=("--lr", "1e-3"))
     assert not cluster.leftover_regions()
     return load_file(str(path))
@@ -280,3 +283,17 @@ def test_an_optimizer_on_cuda_equals_the_same_on_the_cpu(name):
     assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-6, rtol=0)
     assert torch.equal(gpu[2], gpu[0].to(torch.bfloat16))
     assert float(opts[1].state_tensors()["step"]) == 4
+
+
+def test_the_auto_activation_budget_keeps_every_block_within_a_cap(cluster, tmp_path,
+                                                                  deep_reference):
+    """Auto budget under --device-memory-gib 2: every block of the deep model keeps its graph
+    from the second step (the budget is the cap less the first step's peak and a margin),
+    the peak stays under the cap, and the weights are those of the recomputing path."""
+    got = train(cluster, tmp_path / "m.safetensors", 1, *DEEP, "--activation-budget-gib", "-1",
+                "--device-memory-gib", "2", "--summary-json", str(tmp_path / "w{rank}.json"),
+                micro_batches=3)
+    summary = json.loads((tmp_path / "w0.json").read_text())
+    assert summary["kept_blocks"] == 5, summary
+    assert summary["peak_memory_bytes"] <= 2 * 2**30
+    assert_close(got, deep_reference, atol=1e-6, rtol=0.0)

@@ -66,7 +66,8 @@ class Executor:
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
                  seed: int, stash: str = "device", tracer: Tracer = NULL,
                  layer_drop: float = 0.0, fault: Fault | None = None,
-                 cuda_delays: dict[str, int] | None = None, activation_budget_gib: float = 0.0):
+                 cuda_delays: dict[str, int] | None = None, activation_budget_gib: float = 0.0,
+                 device_memory_gib: float = 0.0):
         self.plans = layout.layers
         if len(self.plans) < 2:
             raise ValueError("a layered model needs at least two layers (pre ... post)")
@@ -87,7 +88,7 @@ class Executor:
         self.stash = make_stash(stash, source, self.streams, len(self.plans) - 2,
                                 len(self.micro_batches))
         self.heap = heap_trimmer(device.type, stash)
-        self.budget = GraphBudget(activation_budget_gib, device)
+        self.budget = GraphBudget(activation_budget_gib, device, device_memory_gib)
         self.measured: int | None = None  # bytes a kept block held (its first step)
         # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.
         self.shared: dict[int, set[str]] = {}

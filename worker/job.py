@@ -234,6 +234,7 @@ class WorkerJob:
             seed=self.mcfg.seed, stash=cfg.stash, tracer=self.tracer, layer_drop=cfg.layer_drop,
             cuda_delays=parse_delays(cfg.cuda_delay),
             activation_budget_gib=cfg.activation_budget_gib,
+            device_memory_gib=cfg.device_memory_gib,
             fault=None if welcome.rejoined else Fault.parse(cfg.fault, cfg.rank))
         self.eval_batches = self.evalset.batches() if self.evalset is not None else []
 

@@ -91,17 +91,15 @@ def graph_bytes(kept: Kept, saved: SavedBytes) -> int:
 class GraphBudget:
     """How many blocks, beyond the last, a step keeps the graphs of."""
 
-    def __init__(self, gib: float, device: torch.device):
+    def __init__(self, gib: float, device: torch.device, cap_gib: float = 0.0):
+        """``gib``: --activation-budget-gib (-1: auto); ``cap_gib``: --device-memory-gib."""
         self.device = device
         self.auto = gib < 0
         self.bytes = 0 if self.auto else int(gib * 2**30)
         self.available = 0  # auto on CUDA: the device memory this worker may use at all
         if self.auto and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            cap = torch.cuda.get_per_process_memory_fraction(device) \
-                if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
-            total = torch.cuda.get_device_properties(device).total_memory
-            self.available = min(free, int(cap * total))
+            self.available = min(free, int(cap_gib * 2**30)) if cap_gib else free
         self.per_block = 0  # measured: bytes one more kept block holds
         self.blocks = 0  # kept beside the last block, from the step after the measurement
         self.decided = False
