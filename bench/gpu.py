@@ -46,7 +46,8 @@ from .gpu_parts import (
 )
 from .local import local_l2l_step_seconds
 
-PIECES = ("transfer", "engines", "overhead", "paper", "depth", "mfu", "llama", "peers")
+PIECES = ("transfer", "engines", "overhead", "paper", "depth", "mfu", "llama", "peers",
+          "hfpeers")
 BERT_LARGE = dict(model="bert", layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522,
                   classes=2)
 TINY = dict(model="bert", layers=2, hidden=64, heads=4, ffn=256, vocab=128, classes=2)
@@ -75,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-layers", type=int, default=32,
                    help="llama: decoder layers of the Llama-3 8B shape (32: 8.0B parameters)")
     p.add_argument("--llama-states", default="bf16", help="llama: --optimizer-states")
+    p.add_argument("--hf-layers", type=int, default=22,
+                   help="hfpeers: layers of the TinyLlama-shaped model (22: 1.1B parameters)")
     p.add_argument("--peers", default="fsdp2,deepspeed")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
@@ -126,7 +129,7 @@ def gpu(a) -> dict:
 
 
 def piece(name: str):
-    """The function of piece ``name`` (the mfu and llama pieces live in gpu_models.py)."""
+    """The function of piece ``name`` (mfu, llama and hfpeers live in gpu_models.py)."""
     from . import gpu_models
 
     return globals().get(f"bench_{name}") or getattr(gpu_models, f"bench_{name}")
@@ -151,11 +154,13 @@ def model_argv(m: dict, *, seq: int, mbs: int, u: int) -> list[str]:
 
 
 def job(a, m: dict, *, seq: int, mbs: int, u: int, precision="fp32", extra=(), steps=None):
-    """One L2L job (EPS + 1 worker on a.device): its summary."""
+    """One L2L job (EPS + 1 worker on a.device): its summary. Activation budget 0 (the
+    paper's constant-memory loop) unless ``extra`` gives one."""
     argv = model_argv(m, seq=seq, mbs=mbs, u=u) + ["--device", a.device, "--threads",
                                                     str(WORKER_THREADS)]
     return l2l_job(argv, steps=steps or a.warmup + a.steps,
-                   extra=["--precision", precision, "--lr", "1e-4", *extra],
+                   extra=["--precision", precision, "--lr", "1e-4",
+                          "--activation-budget-gib", "0", *extra],
                    server=["--server-threads", str(a.server_threads)])
 
 

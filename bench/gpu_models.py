@@ -1,5 +1,6 @@
 """The GPU benchmarks' model pieces (bench/gpu.py runs them): MFU of a wide GPT as large as
-the host holds, and a Llama-3-shaped Hugging Face model trained with bf16 optimizer moments.
+the host holds, a Llama-3-shaped Hugging Face model trained with bf16 optimizer moments, and
+the peers on a Hugging Face Llama of TinyLlama's shape (hfpeers).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def bench_mfu(a) -> dict:
     with tempfile.TemporaryDirectory(prefix="l2l-mfu-") as tmp:
         trace = os.path.join(tmp, "trace.json")
         s = job(a, m, seq=seq, mbs=mbs, u=u, precision="bf16",
-                extra=["--stash", "host", "--trace", trace], steps=a.warmup + a.steps)
+                extra=["--stash", "host", "--trace", trace, "--activation-budget-gib", "-1"],
+                steps=a.warmup + a.steps)
         split = trace_split(trace, skip=a.warmup)
     params = s["eps"]["params"]
     step = steady_step_seconds(s, a.warmup)
@@ -82,17 +84,20 @@ def model_flops_utilisation(a, flops: float) -> tuple[float, float]:
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                 rope_theta=500000.0, tie_word_embeddings=False)
+TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+                 tie_word_embeddings=False)  # 22 layers: 1.1B parameters
 LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
                   tie_word_embeddings=False)
 
 
-def llama_dir(path: str, layers: int, tiny: bool, device: str) -> int:
+def llama_dir(path: str, layers: int, tiny: bool, device: str, shape: dict = LLAMA_8B) -> int:
     """A save_pretrained directory (bf16 safetensors, no tokenizer: token ids are the data)
-    of a randomly initialised Llama-3-shaped model, built on ``device``; its parameters."""
+    of a randomly initialised Llama model of ``shape``, built on ``device``; its parameters."""
     import transformers as tf
 
-    cfg = tf.LlamaConfig(**(LLAMA_TINY if tiny else LLAMA_8B), num_hidden_layers=layers)
+    cfg = tf.LlamaConfig(**(LLAMA_TINY if tiny else shape), num_hidden_layers=layers)
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -118,8 +123,7 @@ def bench_llama(a) -> dict:
         vocab = (LLAMA_TINY if a.tiny else LLAMA_8B)["vocab_size"]
         data = os.path.join(tmp, "tokens.bin")
         steps = a.warmup + a.steps
-        torch.randint(0, vocab, ((steps + 1) * u * mbs * (seq + 1),),
-                      dtype=torch.int32).numpy().astype("uint32").tofile(data)
+        token_file(data, vocab, (steps + 1) * u * mbs * (seq + 1))
         argv = ["--model", f"hf:{os.path.join(tmp, 'model')}", "--data", data,
                 "--token-dtype", "uint32", "--seq-len", str(seq), "--micro-batch-size",
                 str(mbs), "--micro-batches", str(u), "--device", a.device, "--threads",
@@ -146,3 +150,77 @@ def bench_llama(a) -> dict:
                                             "vmhwm_bytes", "update_seconds",
                                             "reduce_seconds", "steps_completed")},
             "peak_bytes": peak_bytes(s), "losses": s["losses"], "targets": []}
+
+
+def token_file(path: str, vocab: int, tokens: int) -> None:
+    """Random token ids (uint32), the data of a model built from a config."""
+    torch.randint(0, vocab, (tokens,), dtype=torch.int32).numpy().astype("uint32").tofile(path)
+
+
+def bench_hfpeers(a) -> dict:
+    """l2l with activation budget 0 and auto, at u=4 and u=8, beside the peers of --peers
+    (bench/peers.py) at u=4, on a Hugging Face Llama of TinyLlama's shape (--hf-layers,
+    22: 1.1B parameters), T=1024, micro-batch 8, bf16: samples/s and peak device memory."""
+    from worker.config import DataConfig, ModelConfig
+
+    from .gpu import live
+    from .peers import PEERS, missing
+
+    seq, mbs, us = (32, 2, (2,)) if a.tiny else (1024, 8, (4, 8))
+    layers = 2 if a.tiny else a.hf_layers
+    precision = "fp32" if a.tiny else "bf16"
+    headers = ["system", "u", "samples/s", "peak GiB", "l2l auto speed-up", "last loss"]
+    rows, out = live(a, headers), {}
+    with tempfile.TemporaryDirectory(prefix="l2l-hfpeers-") as tmp:
+        model = os.path.join(tmp, "model")
+        params = llama_dir(model, layers, a.tiny, a.device, TINYLLAMA)
+        vocab = (LLAMA_TINY if a.tiny else TINYLLAMA)["vocab_size"]
+        data = os.path.join(tmp, "tokens.bin")
+        steps = a.warmup + a.steps
+        token_file(data, vocab, (steps + 1) * max(us) * mbs * (seq + 1))
+        for u in us:
+            argv = ["--model", f"hf:{model}", "--data", data, "--token-dtype", "uint32",
+                    "--seq-len", str(seq), "--micro-batch-size", str(mbs), "--micro-batches",
+                    str(u), "--device", a.device, "--threads", str(WORKER_THREADS)]
+            for budget in ("0", "-1"):
+                s = l2l_job(argv, steps=steps, extra=["--precision", precision, "--lr", "1e-4",
+                                                      "--stash", "host",
+                                                      "--activation-budget-gib", budget],
+                            server=["--server-threads", str(a.server_threads)])
+                key = f"l2l_u{u}_{'auto' if budget == '-1' else 'budget0'}"
+                out[key] = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
+                            "peak_bytes": peak_bytes(s), "losses": s["losses"],
+                            "kept_blocks": s["workers"][0]["kept_blocks"]}
+            auto, zero = out[f"l2l_u{u}_auto"], out[f"l2l_u{u}_budget0"]
+            for key, r in ((f"l2l_u{u}_budget0", zero), (f"l2l_u{u}_auto", auto)):
+                rows.append([f"l2l, budget {'auto' if r is auto else 0}: {r['kept_blocks']} of "
+                             f"{layers} blocks kept", u, r["samples_per_sec"],
+                             r["peak_bytes"] / GIB,
+                             auto["samples_per_sec"] / r["samples_per_sec"], r["losses"][-1]])
+        mcfg = ModelConfig(model=f"hf:{model}", seq_len=seq, dropout=0.0)
+        dcfg = DataConfig(data=data, token_dtype="uint32")
+        torch.set_num_threads(a.server_threads or max(1, available_cores() - WORKER_THREADS))
+        mine = out[f"l2l_u{us[0]}_auto"]["samples_per_sec"]
+        for name in [n for n in a.peers.split(",") if n]:
+            try:
+                if why := missing(name):
+                    raise RuntimeError(why)
+                r = PEERS[name](mcfg, micro_batches=us[0], batch_size=mbs, steps=a.steps,
+                                warmup=a.warmup, device=a.device, precision=precision,
+                                data=dcfg)
+            except Exception as e:  # out of memory, not installed: said beside the others
+                r = {"error": f"{type(e).__name__}: {e}"[:500]}
+            out[name] = r
+            rows.append([name, us[0], *(["-", "-", r["error"][:60], "-"] if "error" in r else
+                                        [r["samples_per_sec"], r["peak_bytes"] / GIB,
+                                         mine / r["samples_per_sec"], r["losses"][-1]])])
+    u0 = us[0]
+    ratio = out[f"l2l_u{u0}_auto"]["samples_per_sec"] / out[f"l2l_u{u0}_budget0"]["samples_per_sec"]
+    fsdp = out.get("fsdp2", {}).get("samples_per_sec")
+    return {"table": table(f"hfpeers: Hugging Face Llama, TinyLlama's shape, {layers} layers "
+                           f"({params / 1e9:.2f}B), {precision}, T={seq} B={mbs}", headers, rows),
+            "params": params, "systems": out,
+            "targets": [] if a.tiny else [
+                check(f"l2l auto / budget 0 at u={u0}", ratio, ">=", 1.15),
+                *([check("l2l auto / FSDP2 CPUOffload (fused)", mine / fsdp, ">=", 2.0)]
+                  if fsdp else [])]}

@@ -47,6 +47,8 @@ PIECES = [("transfer", "transfer", [], [], 20, 60),
            ["--peers", "resident,fsdp2,fsdp2-noac"], 90, 180),
           ("mfu", "mfu", ["--mfu-params", "4"], [], 90, 180),
           ("llama", "llama", [], [], 150, 300),
+          ("hfpeers", "hfpeers", ["--peers", "resident,fsdp2,fsdp2-noac"],
+           ["--peers", "resident,fsdp2,fsdp2-noac"], 150, 360),
           ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120, 240)]
 TINY = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
 

@@ -12,7 +12,8 @@ global batch, AdamW) trained as each system's users run it:
     deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
                (DeepSpeedCPUAdam, built at first use), if it is installed
 
-Both train with AdamW (by default lr 1e-4, weight decay 0.01 on matrices only, as l2l's EPS)
+(``data``: the data file a Hugging Face model reads; the built-in ones make their own.)
+They train with AdamW (by default lr 1e-4, weight decay 0.01 on matrices only, as l2l's EPS)
 on the sum of the micro-batches' gradients. Each returns samples/s, peak device memory and every
 step's loss (summed over its micro-batches). On a CPU (tiny models, --tiny) they check the
 harness: FSDP2 runs without offload on gloo; DeepSpeed where its accelerator is the CPU (no
@@ -30,7 +31,7 @@ import socket
 import torch
 from torch import nn
 
-from worker.config import ModelConfig
+from worker.config import DataConfig, ModelConfig
 from worker.data import Sharder, build_task
 from worker.models import build_model
 from worker.models.base import optimizer_groups
@@ -38,6 +39,11 @@ from worker.models.base import optimizer_groups
 from .common import timed_steps
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
+
+
+def _task(mcfg: ModelConfig, data: DataConfig | None, batch_size: int, micro_batches: int):
+    return build_task(build_model(mcfg), data, micro_batch_size=batch_size,
+                      global_micro_batches=micro_batches)
 
 
 def missing(name: str) -> str:
@@ -67,12 +73,12 @@ def _peak(device: torch.device) -> int:
 
 def resident(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
              warmup: int, device: str, precision: str, lr: float = LR,
-             weight_decay: float = WEIGHT_DECAY) -> dict:
+             weight_decay: float = WEIGHT_DECAY, data: DataConfig | None = None) -> dict:
     dev = torch.device(device)
     net = build_model(mcfg).assemble().train().to(dev)
     opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr,
                             fused=True)
-    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+    sharder = Sharder(_task(mcfg, data, batch_size, micro_batches), batch_size, micro_batches)
     losses: list[float] = []
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -96,7 +102,7 @@ def resident(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: i
 
 def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int, warmup: int,
           device: str, precision: str, lr: float = LR, weight_decay: float = WEIGHT_DECAY,
-          checkpoint: bool = True) -> dict:
+          checkpoint: bool = True, data: DataConfig | None = None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -132,7 +138,7 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
         fully_shard(net, **kw)
         opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr,
                                 fused=True)
-        sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+        sharder = Sharder(_task(mcfg, data, batch_size, micro_batches), batch_size, micro_batches)
         losses: list[float] = []
 
         def step(i: int) -> None:
@@ -168,7 +174,7 @@ class _Loss(nn.Module):
 
 def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
               warmup: int, device: str, precision: str, lr: float = LR,
-              weight_decay: float = WEIGHT_DECAY) -> dict:
+              weight_decay: float = WEIGHT_DECAY, data: DataConfig | None = None) -> dict:
     import deepspeed as ds  # an ImportError says it is not installed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -197,7 +203,7 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         engine, _, _, _ = ds.initialize(
             model=net, config=config,
             model_parameters=optimizer_groups(net.named_parameters(), weight_decay))
-        sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+        sharder = Sharder(_task(mcfg, data, batch_size, micro_batches), batch_size, micro_batches)
         losses: list[float] = []
 
         def step(i: int) -> None:

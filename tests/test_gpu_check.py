@@ -312,6 +312,10 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
             assert systems[name]["samples_per_sec"] > 0, systems
             assert systems[name]["losses"] == pytest.approx(systems["l2l"]["losses"],
                                                             rel=1e-5)
+    systems = pieces["hfpeers"]["systems"]  # a Hugging Face Llama: the same steps again
+    for name in ("l2l_u2_budget0", "resident", "fsdp2", "fsdp2-noac"):
+        assert systems[name]["losses"] == pytest.approx(systems["l2l_u2_auto"]["losses"],
+                                                        rel=1e-5), name
     assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
