@@ -5,6 +5,7 @@ the peers on a Hugging Face Llama of TinyLlama's shape (hfpeers).
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -202,6 +203,9 @@ def bench_hfpeers(a) -> dict:
         torch.set_num_threads(a.server_threads or max(1, available_cores() - WORKER_THREADS))
         mine = out[f"l2l_u{us[0]}_auto"]["samples_per_sec"]
         for name in [n for n in a.peers.split(",") if n]:
+            gc.collect()  # the previous system's memory back, cached blocks included
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             try:
                 if why := missing(name):
                     raise RuntimeError(why)

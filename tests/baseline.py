@@ -78,6 +78,7 @@ def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_
     from eps_server.config import OptimizerConfig
     from protocol.tensors import named_views, plan_layout
     from worker.executor import Executor
+    from worker.keep import GraphBudget
 
     model = build_model(mcfg)
     layout = plan_layout(model.manifest())
@@ -86,7 +87,7 @@ def train_local_l2l(mcfg: ModelConfig, *, steps: int, micro_batches: int, batch_
     ex = Executor(model, layout, source, Sharder(task, batch_size, micro_batches),
                   device=torch.device("cpu"), micro_batches=range(micro_batches), steps=steps,
                   dropout=model.dropout, seed=mcfg.seed, layer_drop=layer_drop,
-                  activation_budget_gib=activation_budget_gib)
+                  budget=GraphBudget(activation_budget_gib, torch.device("cpu")))
     if executors is not None:
         executors.append(ex)
     for step in range(steps):

@@ -4,6 +4,8 @@ and it keeps as many blocks as the budget holds, measured in its first step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_the_budget_holds_as_many_blocks_as_fit_from_the_step_after_measuring():
         source = LocalSource(model, layout, OptimizerConfig(lr=1e-3))
         return Executor(model, layout, source, Sharder(task, 4, 2), device=torch.device("cpu"),
                         micro_batches=range(2), steps=3, dropout=model.dropout, seed=0,
-                        activation_budget_gib=gib)
+                        budget=GraphBudget(gib, torch.device("cpu")))
 
     probe = executor(0.0)
     probe.run_step(0)
@@ -86,9 +88,11 @@ def test_the_budget_holds_as_many_blocks_as_fit_from_the_step_after_measuring():
         ex = executor((fit * per_block + per_block // 2) / 2**30)
         assert ex.budget.kept(list(range(10))) == (8, [])  # nothing measured yet
         ex.run_step(0)
-        assert ex.budget.blocks == fit
+        assert ex.budget.blocks == fit and ex.budget.most == 1
         held, cloned = ex.budget.kept(list(range(10)))
         assert held == 8 and cloned == list(range(max(1, 8 - fit), 8))
+        ex.run_step(1)
+        assert ex.budget.most == 1 + min(fit, 7)
     assert GraphBudget(-1, torch.device("cpu")).bytes == 0  # auto on the CPU: none
 
 
@@ -100,5 +104,27 @@ def test_graph_bytes_count_each_saved_storage_once_and_the_weights():
         h = x @ w           # saves x and w (neither counted as activations)
         y = torch.tanh(h)   # saves its output y
         z = y * y           # saves y twice: once
-    kept = Kept({"w": w}, [x], [z])
-    assert graph_bytes(kept, saved) == 8 * 8 * 4 + 4 * 8 * 4 + 4 * 8 * 4  # w, y, z
+    kept = Kept({"w": w, "tied": w[:2]}, [x], [z])
+    # w (private), x (the input), y, z; not the tied view
+    assert graph_bytes(kept, saved, [w]) == 8 * 8 * 4 + 3 * (4 * 8 * 4)
+
+
+def test_kept_copies_free_the_workers_two_weight_buffers(cluster, tmp_path):
+    """Real processes, weights copied into the worker's two buffers as on CUDA
+    (--copy-weights): a kept block's copy gives its buffer back in the forward, so keeping
+    every block runs within two buffers, reports what it kept, and trains as recomputing."""
+    from safetensors.torch import load_file
+
+    from .helpers import SMALL
+
+    got = {}
+    for gib in ("0", "1"):
+        path = tmp_path / f"m{gib}.safetensors"
+        cluster.run_job(1, *SMALL, "--layers", "4", "--steps", "3", "--micro-batches", "2",
+                        "--copy-weights", "--activation-budget-gib", gib, "--save", str(path),
+                        "--summary-json", str(tmp_path / f"s{gib}.json"),
+                        server_args=("--lr", "1e-3"))
+        got[gib] = load_file(str(path))
+        summary = json.loads((tmp_path / f"s{gib}.json").read_text())
+        assert summary["kept_blocks"] == (1 if gib == "0" else 4), summary
+    assert_equal_within(got["1"], got["0"])

@@ -154,8 +154,9 @@ class WorkerConfig:
     activation_budget_gib: float = -1.0
     """Device memory (GiB) the worker may spend keeping the forward graphs of the last blocks
     so their backward skips the recompute (worker/keep.py); 0: recompute every block but the
-    last (constant memory in depth); -1: auto, on CUDA the memory free at start (or the
-    --device-memory-gib cap) less the first step's peak and a margin, on the CPU 0."""
+    last (constant memory in depth); -1: auto, on CUDA the memory free at start shared by the
+    job's ranks on the device (or the --device-memory-gib cap) less the first step's peak and
+    a margin, on the CPU 0."""
     copy_weights: bool = False
     """On CPU, copy each layer into worker buffers instead of reading shared memory in place
     (what CUDA does; for tests and measurements)."""

@@ -66,8 +66,7 @@ class Executor:
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
                  seed: int, stash: str = "device", tracer: Tracer = NULL,
                  layer_drop: float = 0.0, fault: Fault | None = None,
-                 cuda_delays: dict[str, int] | None = None, activation_budget_gib: float = 0.0,
-                 device_memory_gib: float = 0.0):
+                 cuda_delays: dict[str, int] | None = None, budget: GraphBudget | None = None):
         self.plans = layout.layers
         if len(self.plans) < 2:
             raise ValueError("a layered model needs at least two layers (pre ... post)")
@@ -88,8 +87,7 @@ class Executor:
         self.stash = make_stash(stash, source, self.streams, len(self.plans) - 2,
                                 len(self.micro_batches))
         self.heap = heap_trimmer(device.type, stash)
-        self.budget = GraphBudget(activation_budget_gib, device, device_memory_gib)
-        self.measured: int | None = None  # bytes a kept block held (its first step)
+        self.budget = budget or GraphBudget(0, device)  # graphs kept under the budget
         # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.
         self.shared: dict[int, set[str]] = {}
         for plan in self.plans:
@@ -124,10 +122,7 @@ class Executor:
             self.source.drain()  # every push acknowledged (a refusal raises here)
         self.stash.clear()
         self.tied.clear()
-        if self.measured is not None:  # the first step with a kept block: how many fit
-            peak = torch.cuda.max_memory_allocated(self.device) if self.streams.cuda else 0
-            self.budget.decide(self.measured, peak)
-            self.measured = None
+        self.budget.step_done()  # after the first step with a kept block: how many fit
         count = sum(int((b.targets != -100).sum()) for b in batches)
         return StepResult(step, float(loss), int(correct), count,
                           len(batches) * self.sharder.size, time.perf_counter() - t0,
@@ -139,6 +134,7 @@ class Executor:
         input is stashed for the recompute, or (the last blocks, keep.py) its whole graph is
         kept for its backward. Returns the last outputs (the head's inputs) and kept graphs."""
         held, cloned = self.budget.kept(visits)
+        self.budget.most = max(self.budget.most, (held >= 0) + len(cloned))
         xs: list = [None] * len(batches)
         graphs: dict[int, Kept] = {}
         for k, layer in enumerate(visits[:-1]):
@@ -216,7 +212,8 @@ class Executor:
                             batches, cloned: bool) -> Kept:
         """Forward of ``layer`` with grad, keeping inputs, outputs and weight leaves (the
         first time, counting the bytes the graph holds)."""
-        stage = self.binders[self.plans[layer].kind].bind(leaves)
+        plan = self.plans[layer]
+        stage = self.binders[plan.kind].bind(leaves)
         kept = Kept(leaves, cloned=cloned)
         saved = SavedBytes() if self.budget.measuring() else None
         with saved.hooks() if saved else contextlib.nullcontext():
@@ -228,7 +225,8 @@ class Executor:
                 kept.outputs.append(out)
                 xs[i] = shaped_like(out, [t.detach() for t in members(out)])
         if saved is not None:
-            self.measured = graph_bytes(kept, saved)
+            self.budget.measured = graph_bytes(kept, saved,
+                                               [leaves[t.name] for t in plan.tensors])
         return kept
 
     def _backward_visit(self, step: int, layer: int, dx: list, batches,

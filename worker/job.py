@@ -22,6 +22,7 @@ from .data import EvalSet, Sharder, build_eval, build_task
 from .eps_client import EpsClient, EpsError
 from .executor import Executor, StepResult
 from .faults import Fault, parse_delays
+from .keep import GraphBudget
 from .memory import PeakMemory
 from .models import build_model
 from .models.loaders import flat_of
@@ -233,8 +234,9 @@ class WorkerJob:
             micro_batches=cfg.my_micro_batches(), steps=cfg.steps, dropout=self.model.dropout,
             seed=self.mcfg.seed, stash=cfg.stash, tracer=self.tracer, layer_drop=cfg.layer_drop,
             cuda_delays=parse_delays(cfg.cuda_delay),
-            activation_budget_gib=cfg.activation_budget_gib,
-            device_memory_gib=cfg.device_memory_gib,
+            budget=GraphBudget(cfg.activation_budget_gib, self.device, cfg.device_memory_gib,
+                               sum(worker_device(cfg.device, r) == self.device
+                                   for r in range(cfg.world_size))),
             fault=None if welcome.rejoined else Fault.parse(cfg.fault, cfg.rank))
         self.eval_batches = self.evalset.batches() if self.evalset is not None else []
 
@@ -312,7 +314,7 @@ class WorkerJob:
             "data": asdict(self.args.data), "objective": self.model.objective,
             "fetches_without_round_trip": self.source.fast_fetches, "evals": self.evals,
             "activation_budget_bytes": budget.bytes,
-            "kept_blocks": budget.blocks + 1,  # and the last, always kept
+            "kept_blocks": budget.most,  # the most a step kept, the last block included
             "kept_block_bytes": budget.per_block,
             "pinned_regions": self.source.regions.registered,
             "unpinned_regions": self.source.regions.refused,

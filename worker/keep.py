@@ -75,37 +75,48 @@ class SavedBytes:
         return sum(n for ptr, n in self.storages.items() if ptr not in skip)
 
 
-def graph_bytes(kept: Kept, saved: SavedBytes) -> int:
-    """Device bytes a kept block holds beyond what the recomputing loop holds: its saved
-    activations and outputs (not its inputs: the layer below's outputs, or a stash entry)
-    and its private weights."""
-    for out in kept.outputs:
-        for t in members(out):
+def graph_bytes(kept: Kept, saved: SavedBytes, private: list[torch.Tensor]) -> int:
+    """Device bytes a kept block holds: its saved activations, inputs (the lowest kept
+    block's stay on the device instead of in the stash; for the others this counts a
+    boundary twice, erring on the safe side) and outputs, and the weights a kept copy holds
+    (``private``: not tied tensors, which are held once for every reader)."""
+    for x in (*kept.inputs, *kept.outputs):
+        for t in members(x):
             saved.add(t)
-    inputs = [t for x in kept.inputs for t in members(x)]
-    weights = list(kept.leaves.values())
-    return saved.total(exclude=inputs + weights) + sum(t.numel() * t.element_size()
-                                                        for t in weights)
+    return saved.total(exclude=list(kept.leaves.values())) + sum(
+        t.numel() * t.element_size() for t in private)
 
 
 class GraphBudget:
     """How many blocks, beyond the last, a step keeps the graphs of."""
 
-    def __init__(self, gib: float, device: torch.device, cap_gib: float = 0.0):
-        """``gib``: --activation-budget-gib (-1: auto); ``cap_gib``: --device-memory-gib."""
+    def __init__(self, gib: float, device: torch.device, cap_gib: float = 0.0,
+                 sharing: int = 1):
+        """``gib``: --activation-budget-gib (-1: auto); ``cap_gib``: --device-memory-gib;
+        ``sharing``: ranks of the job on this device (auto gives each an equal part)."""
         self.device = device
         self.auto = gib < 0
         self.bytes = 0 if self.auto else int(gib * 2**30)
         self.available = 0  # auto on CUDA: the device memory this worker may use at all
         if self.auto and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
+            free //= max(1, sharing)
             self.available = min(free, int(cap_gib * 2**30)) if cap_gib else free
         self.per_block = 0  # measured: bytes one more kept block holds
         self.blocks = 0  # kept beside the last block, from the step after the measurement
+        self.most = 0  # the most blocks a step kept (the last one included)
+        self.measured: int | None = None  # bytes the last block's graph held, this step
         self.decided = False
 
     def measuring(self) -> bool:
         return not self.decided
+
+    def step_done(self) -> None:
+        """A step ended: if it measured a block's graph, decide (with its device peak)."""
+        if self.measured is not None and not self.decided:
+            cuda = self.device.type == "cuda"
+            self.decide(self.measured, torch.cuda.max_memory_allocated(self.device) if cuda
+                        else 0)
 
     def decide(self, per_block: int, constant: int) -> None:
         """After the first step: ``per_block`` bytes a kept block holds (with its weights),
