@@ -169,8 +169,8 @@ class Executor:
         order = visits[::-1]
         head_sums = None
         for j, layer in enumerate(order):
-            fetching = [v for v in order[j + 1:] if v not in graphs]
-            after = (fetching[0], step) if fetching else (
+            fetching = next((v for v in order[j + 1:] if v not in graphs), None)
+            after = (fetching, step) if fetching is not None else (
                 (0, step + 1) if step + 1 < self.steps else None)
             if j == 0 and any(not g.cloned for g in graphs.values()):
                 after = None

@@ -17,12 +17,12 @@ recompute path whose results must again equal plain training's. On a GPU, where 
 a larger share of the forward's time, keeping matmul outputs could spare more per byte when
 the budget holds only some of the blocks: not built.
 
-The budget's size: G GiB given, or -1 (auto): on CUDA the device memory free at start (or the
---device-memory-gib cap) less what the first step peaked at (the constant need) and a safety
-margin; on the CPU 0. The first step keeps only the last block and measures its graph's bytes
-(saved-tensor hooks, each storage once); from the second step on the worker keeps as many
-more blocks as fit. Kept blocks use the same dropout seeds as the recompute, so the results
-are the recomputing loop's.
+The budget's size: G GiB given, or -1 (auto): on CUDA the device memory free at start, shared
+equally by the job's ranks on the device (or the --device-memory-gib cap), less what the first
+step peaked at (the constant need) and a safety margin; on the CPU 0. The first step keeps
+only the last block and measures its graph's bytes (saved-tensor hooks, each storage once);
+from the second step on the worker keeps as many more blocks as fit. Kept blocks use the same
+dropout seeds as the recompute, so the results are the recomputing loop's.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class Kept:
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for backward within the context, each storage once,
-    leaving out storages already counted elsewhere (``exclude``: weights, inputs)."""
+    """Counts the bytes autograd saves for backward within the context (and any tensor
+    ``add``ed), each storage once; ``total`` leaves out those counted elsewhere (weights)."""
 
     def __init__(self):
         self.storages: dict[int, int] = {}
