@@ -78,6 +78,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-states", default="bf16", help="llama: --optimizer-states")
     p.add_argument("--hf-layers", type=int, default=22,
                    help="hfpeers: layers of the TinyLlama-shaped model (22: 1.1B parameters)")
+    p.add_argument("--hf-us", default="4,8", help="hfpeers: l2l's micro-batches per visit "
+                   "(the peers run at the first)")
+    p.add_argument("--hf-budgets", default="0,-1",
+                   help="hfpeers: l2l's --activation-budget-gib values (-1 auto; e.g. 39.5, "
+                        "the resident model's peak)")
     p.add_argument("--peers", default="fsdp2,deepspeed")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)

@@ -60,7 +60,10 @@ def bench_mfu(a) -> dict:
              ["summary: median wait for slots+acks", waits["push_wait"], "-"],
              ["EPS engines: checking (seconds/step)", waits["eps_reduce_seconds"], "-"],
              ["EPS engines: updating (seconds/step)", waits["eps_update_seconds"], "-"],
-             [f"EPS at 0.7 of the host's triad ({triad:.0f} GB/s), 30 B/param", bound, "-"]]
+             [f"EPS at 0.7 of the host's triad ({triad:.0f} GB/s), 30 B/param", bound, "-"],
+             [f"blocks kept by the auto activation budget (of {m['layers']})",
+              s["workers"][0]["kept_blocks"], "-"],
+             ["peak device GiB", peak_bytes(s) / GIB, "-"]]
     return {"table": table(f"mfu: GPT L={m['layers']} H={m['hidden']} "
                            f"({params / 1e9:.2f}B params) bf16 T={seq} u={u} B={mbs}: "
                            f"{step:.2f} s/step, {flops / 1e12:.0f} TFLOP/s, MFU {mfu:.1%} of "
@@ -68,6 +71,7 @@ def bench_mfu(a) -> dict:
                            ["category", "s/step", "share"], rows),
             "params": params, "step_seconds": step, "tflops": flops / 1e12, "mfu": mfu,
             "time_split": split, "waits": waits, "triad_gb_per_s": triad,
+            "kept_blocks": s["workers"][0]["kept_blocks"], "peak_bytes": peak_bytes(s),
             "eps_seconds_per_step": eps_seconds, "eps_bound_seconds": bound,
             "targets": [] if a.tiny else [
                 check("MFU", mfu, ">=", 0.55),
@@ -159,18 +163,22 @@ def token_file(path: str, vocab: int, tokens: int) -> None:
 
 
 def bench_hfpeers(a) -> dict:
-    """l2l with activation budget 0 and auto, at u=4 and u=8, beside the peers of --peers
-    (bench/peers.py) at u=4, on a Hugging Face Llama of TinyLlama's shape (--hf-layers,
-    22: 1.1B parameters), T=1024, micro-batch 8, bf16: samples/s and peak device memory."""
+    """l2l at each --hf-budgets (default 0 and auto) and --hf-us (default 4 and 8) beside the
+    peers of --peers (bench/peers.py) at the first u, on a Hugging Face Llama of TinyLlama's
+    shape (--hf-layers, 22: 1.1B parameters), T=1024, micro-batch 8, bf16: samples/s and peak
+    device memory."""
     from worker.config import DataConfig, ModelConfig
 
     from .gpu import live
     from .peers import PEERS, missing
 
-    seq, mbs, us = (32, 2, (2,)) if a.tiny else (1024, 8, (4, 8))
+    seq, mbs = (32, 2) if a.tiny else (1024, 8)
+    us = (2,) if a.tiny else tuple(int(u) for u in a.hf_us.split(","))
+    budgets = [b.strip() for b in a.hf_budgets.split(",") if b.strip()]
     layers = 2 if a.tiny else a.hf_layers
     precision = "fp32" if a.tiny else "bf16"
-    headers = ["system", "u", "samples/s", "peak GiB", "l2l auto speed-up", "last loss"]
+    # ratio: an l2l row's speed over l2l at the first budget; a peer's, l2l's best over its
+    headers = ["system", "u", "samples/s", "peak GiB", "ratio", "last loss"]
     rows, out = live(a, headers), {}
     with tempfile.TemporaryDirectory(prefix="l2l-hfpeers-") as tmp:
         model = os.path.join(tmp, "model")
@@ -183,25 +191,24 @@ def bench_hfpeers(a) -> dict:
             argv = ["--model", f"hf:{model}", "--data", data, "--token-dtype", "uint32",
                     "--seq-len", str(seq), "--micro-batch-size", str(mbs), "--micro-batches",
                     str(u), "--device", a.device, "--threads", str(WORKER_THREADS)]
-            for budget in ("0", "-1"):
+            for budget in budgets:
                 s = l2l_job(argv, steps=steps, extra=["--precision", precision, "--lr", "1e-4",
                                                       "--stash", "host",
                                                       "--activation-budget-gib", budget],
                             server=["--server-threads", str(a.server_threads)])
-                key = f"l2l_u{u}_{'auto' if budget == '-1' else 'budget0'}"
-                out[key] = {"samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
-                            "peak_bytes": peak_bytes(s), "losses": s["losses"],
-                            "kept_blocks": s["workers"][0]["kept_blocks"]}
-            auto, zero = out[f"l2l_u{u}_auto"], out[f"l2l_u{u}_budget0"]
-            for key, r in ((f"l2l_u{u}_budget0", zero), (f"l2l_u{u}_auto", auto)):
-                rows.append([f"l2l, budget {'auto' if r is auto else 0}: {r['kept_blocks']} of "
-                             f"{layers} blocks kept", u, r["samples_per_sec"],
-                             r["peak_bytes"] / GIB,
-                             auto["samples_per_sec"] / r["samples_per_sec"], r["losses"][-1]])
+                r = out[l2l_key(u, budget)] = {
+                    "samples_per_sec": u * mbs / steady_step_seconds(s, a.warmup),
+                    "peak_bytes": peak_bytes(s), "losses": s["losses"],
+                    "kept_blocks": s["workers"][0]["kept_blocks"]}
+                first = out[l2l_key(u, budgets[0])]
+                rows.append([f"l2l, budget {'auto' if budget == '-1' else budget}: "
+                             f"{r['kept_blocks']} of {layers} blocks kept", u,
+                             r["samples_per_sec"], r["peak_bytes"] / GIB,
+                             r["samples_per_sec"] / first["samples_per_sec"], r["losses"][-1]])
         mcfg = ModelConfig(model=f"hf:{model}", seq_len=seq, dropout=0.0)
         dcfg = DataConfig(data=data, token_dtype="uint32")
         torch.set_num_threads(a.server_threads or max(1, available_cores() - WORKER_THREADS))
-        mine = out[f"l2l_u{us[0]}_auto"]["samples_per_sec"]
+        mine = max(out[l2l_key(us[0], b)]["samples_per_sec"] for b in budgets)
         for name in [n for n in a.peers.split(",") if n]:
             gc.collect()  # the previous system's memory back, cached blocks included
             if torch.cuda.is_available():
@@ -218,13 +225,17 @@ def bench_hfpeers(a) -> dict:
             rows.append([name, us[0], *(["-", "-", r["error"][:60], "-"] if "error" in r else
                                         [r["samples_per_sec"], r["peak_bytes"] / GIB,
                                          mine / r["samples_per_sec"], r["losses"][-1]])])
-    u0 = us[0]
-    ratio = out[f"l2l_u{u0}_auto"]["samples_per_sec"] / out[f"l2l_u{u0}_budget0"]["samples_per_sec"]
     fsdp = out.get("fsdp2", {}).get("samples_per_sec")
+    auto = [(u, out[l2l_key(u, "-1")]["samples_per_sec"] / out[l2l_key(u, "0")]["samples_per_sec"])
+            for u in us if {"0", "-1"} <= set(budgets)]
     return {"table": table(f"hfpeers: Hugging Face Llama, TinyLlama's shape, {layers} layers "
                            f"({params / 1e9:.2f}B), {precision}, T={seq} B={mbs}", headers, rows),
             "params": params, "systems": out,
             "targets": [] if a.tiny else [
-                check(f"l2l auto / budget 0 at u={u0}", ratio, ">=", 1.15),
-                *([check("l2l auto / FSDP2 CPUOffload (fused)", mine / fsdp, ">=", 2.0)]
-                  if fsdp else [])]}
+                *(check(f"l2l auto / budget 0 at u={u}", ratio, ">=", 1.15) for u, ratio in auto),
+                *([check(f"l2l (best budget, u={us[0]}) / FSDP2 CPUOffload (fused)",
+                         mine / fsdp, ">=", 2.0)] if fsdp else [])]}
+
+
+def l2l_key(u: int, budget: str) -> str:
+    return f"l2l_u{u}_" + {"-1": "auto", "0": "budget0"}.get(budget, f"budget{budget}")

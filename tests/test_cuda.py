@@ -33,14 +33,14 @@ DEVICE = ["--device", "cuda:0"]  # every rank on the first GPU: the check needs 
 SMALL_CFG = dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=64, dropout=0.1)
 STEPS = 4
 DELAY = "2000"  # microseconds a stream spins: longer than any of these layers' kernels
+# The stash paths, not kept graphs: auto would keep every block of these small models.
+NO_KEEP = ("--activation-budget-gib", "0")
 
 
 def train(cluster, path, workers: int, *extra: str, micro_batches: int = 2) -> dict:
-    """Activation budget 0 unless ``extra`` says otherwise: the stash paths are what these
-    tests exercise (auto would keep every block of these small models)."""
+    """Activation budget 0 unless ``extra`` says otherwise (NO_KEEP)."""
     cluster.run_job(workers, *SMALL, *DEVICE, "--steps", str(STEPS), "--micro-batches",
-                    str(micro_batches), "--save", str(path), "--activation-budget-gib", "0",
-                    *extra,
+                    str(micro_batches), "--save", str(path), *NO_KEEP, *extra,
                     server_args=("--lr", "1e-3"))
     assert not cluster.leftover_regions()
     return load_file(str(path))
@@ -141,7 +141,7 @@ def _peak(cluster, tmp_path, layers: int, stash: str) -> int:
     cluster.run_job(1, "--layers", str(layers), "--hidden", "64", "--heads", "4",
                     "--seq-len", "32", "--vocab", "64", "--micro-batch-size", "8",
                     "--micro-batches", "4", "--threads", "1", *DEVICE, "--steps", "2",
-                    "--stash", stash, "--summary-json", str(summary))
+                    "--stash", stash, "--summary-json", str(summary), *NO_KEEP)
     cluster.close()
     return json.loads(summary.read_text())["peak_memory_bytes"]
 
@@ -176,7 +176,7 @@ def test_the_eps_stash_outgrows_its_arena_on_cuda(cluster, tmp_path):
     for stash in ("device", "eps"):
         cluster.run_job(1, *SMALL, *DEVICE, "--model", f"hf:{path}", "--data", str(lm),
                         "--no-shuffle", "--micro-batch-size", "1", "--micro-batches", "3",
-                        "--steps", "4", "--stash", stash, "--cuda-delay", f"d2h:{DELAY}",
+                        "--steps", "4", "--stash", stash, "--cuda-delay", f"d2h:{DELAY}", *NO_KEEP,
                         "--save", str(tmp_path / stash), server_args=("--lr", "1e-3"))
         assert "cudaHost" not in cluster.log(cluster.procs[-1])
         cluster.close()
@@ -189,7 +189,7 @@ def test_every_shared_mapping_is_registered_with_the_driver(cluster, tmp_path):
     """On CUDA the worker page-locks every EPS mapping it reads (weights) or writes (gradient
     slots, stash arena) with cudaHostRegister; the summary counts them, and none is refused."""
     summary = tmp_path / "s.json"
-    cluster.run_job(1, *SMALL, *DEVICE, "--steps", "2", "--stash", "eps",
+    cluster.run_job(1, *SMALL, *DEVICE, "--steps", "2", "--stash", "eps", *NO_KEEP,
                     "--summary-json", str(summary))
     got = json.loads(summary.read_text())
     log = cluster.log(cluster.procs[-1])
