@@ -16,7 +16,7 @@ import sys
 import uvloop
 
 from protocol import cli
-from protocol.lifecycle import die_with_parent, skip_exit_collections
+from protocol.lifecycle import REFUSED, die_with_parent, skip_exit_collections
 
 from .config import ServerArgs, ServerConfig
 from .server import EpsServer
@@ -44,7 +44,7 @@ def run(cfg: ServerConfig) -> int:
         uvloop.run(server.serve())
     except (ValueError, OSError) as e:  # bad settings, a port or file the machine refused
         logging.getLogger("eps_server").error("%s", e)
-        return 2
+        return REFUSED
     finally:
         server.close()
     return 0

@@ -24,6 +24,7 @@ import zmq.asyncio
 from protocol import codec, curve
 from protocol.endpoints import IpcClaim, check_bind, ipv6
 from protocol.events import EventWriter, PeerLost, Ready, ServerStats
+from protocol.lifecycle import process_gone
 from protocol.messages import PROTOCOL_VERSION, Error, Hello
 from protocol.shm import RunLock, remove_orphans
 from protocol.tensors import DTYPES
@@ -235,8 +236,9 @@ class EpsServer:
                     self.core.excuse(late)
                 for peer in self.core.expire():
                     if peer.worker:
-                        self.events.emit(PeerLost(rank=peer.rank, pid=peer.pid, silent=round(
-                            time.monotonic() - peer.last_seen, 3)))
+                        self.events.emit(PeerLost(
+                            rank=peer.rank, pid=peer.pid, exited=process_gone(peer.process),
+                            silent=round(time.monotonic() - peer.last_seen, 3)))
                 self._check_exit()
             except Exception:  # a bug: the watch must go on, or nobody is ever declared dead
                 log.exception("internal error watching the peers")

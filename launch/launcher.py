@@ -16,7 +16,8 @@ an error, or that the EPS declares dead (a hung one is killed first), is started
 same rank: it rejoins and redoes the step it was in exactly (the EPS runs with --recovery). An
 EPS that dies takes the job down: every worker is stopped and the job starts again from the
 EPS's last checkpoint (--server-save), losing the steps after it. Without restarts, any of these
-fails the job.
+fails the job. An EPS that dies while it starts is a death like any other; one that refuses its
+settings (a bad option, a busy endpoint) fails the job at once, with its reason.
 """
 
 from __future__ import annotations
@@ -27,28 +28,20 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 
 from protocol import events
 from protocol.checkpoints import latest
 from protocol.lifecycle import ENV as PARENT_ENV
-from protocol.lifecycle import exit_status
+from protocol.lifecycle import REFUSED, exit_status
 from protocol.shm import unlink_run
 
+from .children import Child, reaped, signal_group, stop
 from .console import Console
 from .results import eval_result, step_row
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
 BYE_GRACE = 3.0  # on a stop, the workers' head start over the EPS
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    threads: list[threading.Thread] = field(default_factory=list)
-    hung: float | None = None  # the EPS declared it dead after this many silent seconds
 
 
 NO_FAULT = ["--fault", ""]  # a replacement never inherits a test's fault
@@ -246,22 +239,16 @@ class Launcher:
                    default=0)
 
     def _run(self) -> int:
-        if not self._start_job():
+        if not self._start_job() and not (self._died_starting() and
+                                          self._recover(self.failure)):
             return 1
         self.console.start()
         server_gone: float | None = None
         while True:
             code = self.server.proc.poll()  # first: its workers fail when it is gone
             if code not in (None, 0):
-                what = f"eps-server {exit_status(code)} while workers ran"
-                while True:  # again while restarts last, if the EPS dies as it starts
-                    if not self._may_restart(what):
-                        return 1
-                    if self._restart_job(what):
-                        break
-                    if not self.failure.endswith("before it was ready"):  # a worker, a timeout
-                        return 1
-                    what = self.failure
+                if not self._recover(f"eps-server {exit_status(code)} while workers ran"):
+                    return 1
                 server_gone = None
                 continue
             if not self._check_workers():
@@ -286,6 +273,28 @@ class Launcher:
             return 1
         return 0
 
+    def _recover(self, what: str) -> bool:
+        """The EPS died: restart the job, again while the new EPS is killed as it starts,
+        within --max-restarts. False when the job has failed."""
+        while True:
+            if not self._may_restart(what):
+                return False
+            if self._restart_job(what):
+                self.failure = None  # a failed start on the way was recovered from
+                return True
+            if not self._died_starting():  # a worker, a timeout, the EPS's own error
+                return False
+            what = self.failure
+
+    def _died_starting(self) -> bool:
+        """The EPS died before it was ready, killed (the OOM killer, an operator, a node
+        agent) or crashed: a restart may cure that. One that refused its settings (a bad
+        option, a busy endpoint, a checkpoint it cannot load: exit status REFUSED) said why,
+        and fails the job at once: it would refuse again."""
+        code = self.server.proc.returncode if self.server else None
+        return (code not in (None, 0, REFUSED) and self.failure is not None
+                and self.failure.endswith("before it was ready"))
+
     def _check_workers(self) -> bool:
         """Stop hung workers, restart failed ones; False when the job has failed."""
         with self._lock:
@@ -294,13 +303,15 @@ class Launcher:
             w = self.workers.get(ev.rank)
             if w is None or w.proc.pid != ev.pid or w.proc.poll() is not None:
                 continue
+            if ev.exited and reaped(w.proc, STOP_GRACE):  # dead: its threads were exiting
+                continue
             what = (f"w{ev.rank} (pid {ev.pid}) was declared dead by the EPS after "
                     f"{ev.silent:.1f} s without a message")
             if not self._may_restart(what):
                 return False
             self.console.note(f"l2l-launch: {what}; killing it")
             w.hung = ev.silent
-            _signal(w.proc, signal.SIGKILL)
+            signal_group(w.proc, signal.SIGKILL)
             w.proc.wait()
         for r, w in list(self.workers.items()):
             code = w.proc.poll()
@@ -343,27 +354,9 @@ class Launcher:
         return self._start_job(extra, replacement=True)
 
     def stop_all(self) -> None:
-        """Stop every child still running: SIGTERM to the workers, then to the EPS (a worker's
-        Bye needs it) once they exited or BYE_GRACE passed, SIGKILL at STOP_GRACE; then
-        remove what the run left in shared memory (named after the run id)."""
-        alive = [c for c in self.children if c.proc.poll() is None]
-        deadline = time.monotonic() + STOP_GRACE
-        for last in (False, True):
-            group = [c for c in alive if (c.name == "eps") == last]
-            for c in group:
-                _signal(c.proc, signal.SIGTERM)
-                _signal(c.proc, signal.SIGCONT)  # a stopped (hung) process handles it too
-            end = deadline if last else min(deadline, time.monotonic() + BYE_GRACE)
-            for c in alive if last else group:
-                try:
-                    c.proc.wait(timeout=max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    if last:
-                        _signal(c.proc, signal.SIGKILL)
-                        c.proc.wait()
-        for c in self.children:
-            for t in c.threads:
-                t.join(timeout=2.0)
+        """Stop every child still running (children.stop), then remove what the run left in
+        shared memory (named after the run id)."""
+        stop(self.children, STOP_GRACE, BYE_GRACE)
         leaked = unlink_run(self.run_id)
         if leaked:
             self.console.note(f"l2l-launch: removed shared memory left by the run: "
@@ -384,10 +377,3 @@ def _stamp(root: str):
         return found[0], os.stat(os.path.join(found[0], "state.json")).st_mtime_ns
     except OSError:
         return None
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the child's whole session (it may have children)
-    except (ProcessLookupError, PermissionError):
-        pass

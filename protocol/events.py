@@ -85,12 +85,14 @@ class EvalDone:
 @event("peer_lost")
 class PeerLost:
     """The EPS declared a worker dead (``silent`` seconds without a message): its rank is free
-    for a replacement. A hung process is still running; whoever started it should stop it."""
+    for a replacement. ``exited``: the EPS saw its process gone (or exiting), else it is hung,
+    still running, and whoever started it should stop it."""
 
     KIND: ClassVar[str]
     rank: int
     pid: int
     silent: float
+    exited: bool = False
 
 
 @event("stats")

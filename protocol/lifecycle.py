@@ -16,6 +16,9 @@ import signal
 import sys
 
 ENV = "L2L_PARENT_PID"
+# A process that refuses its settings (argparse's usage errors, a bad option, a busy endpoint,
+# a checkpoint it cannot load) exits with this status: starting it again would not help.
+REFUSED = 2
 _PR_SET_PDEATHSIG = 1
 
 

@@ -430,3 +430,40 @@ def test_quiet_still_says_why_a_child_failed(tmp_path):
     assert p.returncode == 1 and not s["ok"]
     assert "l2l-launch: failed: w0 exited with status 1" in p.stderr
     assert "[w0]" in p.stderr and "needs the model's tokenizer" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("exited", [True, False])
+def test_a_worker_the_eps_saw_exit_is_reported_by_its_exit_status(tmp_path, capsys, exited):
+    """The EPS declares a worker dead when its process is gone, which a SIGKILLed process is
+    (its main thread a zombie) while its other threads still exit: the launcher waits for it
+    and names its exit status, instead of "declared dead ... without a message; killing it".
+    A hung worker (``exited`` False: still running) is killed and named as hung."""
+    from launch import launcher as mod
+    from launch.children import Child
+    from launch.console import Console
+    from protocol.events import PeerLost
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    console = Console(4, str(tmp_path), out=io.StringIO(), tty=False)
+    job = mod.Launcher([], [[sys.executable, "-c", "pass"]], "test-exit", str(run_dir), 4,
+                       console, max_restarts=1)
+    dying = "sleep 0.5; kill -9 $$" if exited else "sleep 60"
+    proc = subprocess.Popen(["sh", "-c", dying], start_new_session=True)
+    job.workers[0] = Child("w0", proc)
+    job.children.append(job.workers[0])
+    try:
+        job._lost = [PeerLost(rank=0, pid=proc.pid, silent=0.3, exited=exited)]
+        assert job._check_workers()
+        [restart] = job.restarts
+        said = capsys.readouterr().err  # the launcher's notes
+        if exited:
+            assert restart["cause"] == "was killed by SIGKILL", restart
+            assert "declared dead" not in said, said
+        else:
+            assert restart["cause"] == "hung: declared dead after 0.3 s without a message"
+            assert "declared dead by the EPS after 0.3 s without a message; killing it" in said
+        assert "w0 was killed by SIGKILL; restarting rank 0" in said, said
+    finally:
+        job.stop_all()
+        console.close()

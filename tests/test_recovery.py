@@ -165,3 +165,58 @@ def test_a_killed_eps_never_restarts_from_another_runs_checkpoint(tmp_path):
     assert job.returncode == 0
     [restart] = json.loads(summary.read_text())["restarts"]
     assert restart["checkpoint_step"] is None, restart  # not the earlier run's step 3
+
+
+def kill_eps_when(tmp_path, bound: bool, *extra: str) -> subprocess.CompletedProcess:
+    """Run JOB under --max-restarts 2 and SIGKILL its first EPS as soon as its process exists
+    (importing, long before it binds) or, with ``bound``, once its socket exists (the first
+    worker is bootstrapping it or about to); returns the finished launcher."""
+    endpoint, summary = f"ipc://{tmp_path}/eps.sock", tmp_path / "summary.json"
+    p = subprocess.Popen([*LAUNCH, "--endpoint", endpoint, "--summary-json", str(summary),
+                          *JOB, "--max-restarts", "2", "--save", str(tmp_path / "m.st"), *extra],
+                         env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+            eps = [pid for pid in processes_with(endpoint) if b"eps_server" in
+                   open(f"/proc/{pid}/cmdline", "rb").read()]
+            if eps and (not bound or (tmp_path / "eps.sock").exists()):
+                os.kill(eps[0], signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        out, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+@pytest.mark.parametrize("bound", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_eps_killed_as_it_starts_is_restarted_and_the_run_is_exact(tmp_path, reference,
+                                                                      bound):
+    p = kill_eps_when(tmp_path, bound)
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["ok"] and s["failure"] is None and s["steps"] == STEPS, s
+    [restart] = s["restarts"]
+    assert restart["rank"] is None and "eps-server was killed by SIGKILL" in restart["cause"]
+    assert restart["checkpoint_step"] is None and restart["steps_replayed"] == 0, restart
+    assert "restarting the job from where it began" in p.stderr
+    assert_nothing_left(f"ipc://{tmp_path}/eps.sock", s["run_id"])
+    assert (tmp_path / "m.st").read_bytes() == reference("eager")
+
+
+def test_an_eps_that_refuses_to_start_fails_the_job_at_once_despite_restarts(tmp_path):
+    """Its own error (here a checkpoint to load that is not there) would come back at every
+    restart: the job fails at once, saying why, and no restart is spent."""
+    t0 = time.monotonic()
+    p, s, endpoint = launch(tmp_path, *JOB, "--max-restarts", "2",
+                            "--load", str(tmp_path / "nothing-here"))
+    assert p.returncode == 1 and not s["ok"], p.stderr
+    assert s["restarts"] == [] and "before it was ready" in s["failure"], s["failure"]
+    assert "nothing-here" in p.stderr, p.stderr  # the EPS's own reason reaches the console
+    assert time.monotonic() - t0 < 60
+    assert_nothing_left(endpoint, s["run_id"])
