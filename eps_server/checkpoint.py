@@ -60,6 +60,18 @@ def check_target(root: str) -> None:
                          "not writing into it")
 
 
+def check_writable(root: str) -> None:
+    """``check_target``, and this process can write there: ``root`` is made (if need be) and
+    its lock taken and let go now, so that a path the EPS cannot write (read-only, under
+    /proc, a busy root) is refused when asked for, with the reason, rather than failing at
+    the step boundary. ValueError if not."""
+    try:
+        with _holding(os.path.abspath(root)):
+            pass
+    except OSError as e:
+        raise ValueError(str(e)) from None
+
+
 def _lock(root: str) -> int | None:
     """Make ``root`` (an unwritable one fails here) and take its lock: an fd, or None where
     the file system has no locks (a warning). Two processes writing one root pruned each
@@ -163,12 +175,19 @@ def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     pointer = os.path.join(root, f".{layout_on_disk.LATEST}.tmp-{os.getpid()}")
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, os.path.join(root, layout_on_disk.LATEST))
-    _fsync_dir(root)
+    try:
+        with open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, os.path.join(root, layout_on_disk.LATEST))
+        _fsync_dir(root)
+    except BaseException:  # the previous checkpoint stays the latest: this one goes
+        for leftover in (pointer, final):
+            shutil.rmtree(leftover, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.remove(leftover)
+        raise
     _prune(root, name, keep)
     return final
 

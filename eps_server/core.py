@@ -53,7 +53,8 @@ from .layer_store import LayerStore
 from .peers import Peer, Peers, check_control, check_hello, check_model
 from .pool import MathPool
 from .replies import Out, Waiting, error_out
-from .scheduler import Saved, UpdateScheduler
+from .saving import SaveOutcomes
+from .scheduler import UpdateScheduler
 from .stats import EpsStats, model_memory, peak_memory_bytes
 from .transports import frame_tensor, make_transport
 
@@ -64,9 +65,11 @@ class EpsCore:
     def __init__(self, cfg: ServerConfig, store: LayerStore, *, run_id: str,
                  initialiser: int | None = None, stats: EpsStats | None = None,
                  wake: Callable[[], None] = lambda: None, inline: bool = False,
-                 tracer: Tracer = NULL, clock: Callable[[], float] = time.monotonic):
+                 tracer: Tracer = NULL, clock: Callable[[], float] = time.monotonic,
+                 notify: Callable[[object], None] = lambda event: None):
         self.cfg, self.store, self.run_id = cfg, store, run_id
         self.stats = stats or EpsStats()
+        self.saves = SaveOutcomes(self.stats, notify)  # events for the EPS's starter
         self._rss_before = peak_memory_bytes().get("vmrss_bytes", 0)  # before the model's memory
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._wake = wake
@@ -86,7 +89,7 @@ class EpsCore:
         self.broken: str | None = None
         self._completions = {Init: self._initialised, Update: self.data.updated,
                              Resolve: self._resolved,
-                             Exclusive: lambda d: self._saved(self.scheduler.saved(d))}
+                             Exclusive: lambda d: self.saves.settle(self.scheduler.saved(d))}
         self._handlers = {Hello: self._hello, InitLayer: self._init,
                           Fetch: self.data.fetch, PushGrad: self.data.push, Bye: self._bye,
                           StashArena: self._stash_arena, Status: self._status,
@@ -154,7 +157,8 @@ class EpsCore:
         self.pool.close()
         try:
             if final_save and self.cfg.save and self.store.initialised:
-                self.scheduler.final_checkpoint(self.cfg.save)
+                self.saves.final(lambda: self.scheduler.final_checkpoint(self.cfg.save),
+                                 self.store.step, self.cfg.save)
         finally:
             self.store.close()
 
@@ -320,27 +324,14 @@ class EpsCore:
 
     def _save(self, identity: bytes, msg: Save, frames) -> list[Out]:
         check_control(self.cfg, identity in self.peers)
-        try:
-            checkpoint.check_target(msg.path)
+        try:  # a path this process cannot write is refused now, with the OS's reason
+            checkpoint.check_writable(msg.path)
         except ValueError as e:
             raise RequestError("bad_request", str(e), "path") from None
         if not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
         self.scheduler.request_save(msg.path, Requester(identity, msg.req_id))
         return []
-
-    def _saved(self, saved: Saved) -> list[Out]:
-        if saved.error is not None:
-            log.error("checkpoint to %s failed: %s", saved.path, saved.error)
-        else:
-            log.info("checkpoint of step %d written to %s", saved.step, saved.path)
-        who = saved.requester
-        if who is None:
-            return []
-        if saved.error is not None:
-            return [error_out(who.peer, who.req_id, "internal",
-                              f"checkpoint failed: {saved.error}")]
-        return [Out(who.peer, Ack(req_id=who.req_id))]
 
     def _set_hyper(self, identity: bytes, msg: SetHyper, frames) -> list[Out]:
         check_control(self.cfg, identity in self.peers)

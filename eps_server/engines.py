@@ -270,7 +270,8 @@ class Engines:
         try:
             result = self._run_job[type(job)](job)
         except Exception as e:  # reported to the core, which decides what it means
-            log.exception("engine job %s failed", type(job).__name__)
+            if not (isinstance(job, Exclusive) and isinstance(e, OSError)):  # a full disk, ...
+                log.exception("engine job %s failed", type(job).__name__)
             return Done(job, error=e, seconds=time.perf_counter() - t0)
         return Done(job, result, seconds=time.perf_counter() - t0)
 

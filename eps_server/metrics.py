@@ -43,6 +43,9 @@ COUNTERS = {  # EpsStats field -> (metric name, help)
     "clipped_steps": ("clipped_steps", "Steps whose global gradient norm was clipped."),
     "rollbacks": ("rollbacks", "Speculative layer updates taken back (clipping, overflow)."),
     "rollback_seconds": ("rollback_seconds", "Engine time spent on rollbacks and redos."),
+    "checkpoints_written": ("checkpoints_written", "Checkpoints written."),
+    "checkpoint_failures": ("checkpoint_failures", "Checkpoints that could not be written "
+                            "(the previous one stands): alert on any."),
 }
 # WorkerReport field -> (metric name, help): each worker's latest report (its heartbeats).
 WORKER_GAUGES = {
@@ -87,6 +90,8 @@ class EpsCollector:
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily("l2l_eps_update_seconds", "Time of one layer update on "
                                     "its engine.", buckets=buckets, sum_value=h.sum)
+        yield GaugeMetricFamily("l2l_eps_last_checkpoint_step", "Step of the last checkpoint "
+                                "written (-1: none).", value=s.last_checkpoint_step)
         yield GaugeMetricFamily("l2l_eps_reducing", "Gradients accepted and not acknowledged "
                                 "yet (all workers): held until their layer's update has read "
                                 "them.", value=s.reducing)

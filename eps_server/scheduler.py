@@ -50,6 +50,7 @@ from .engines import (
     Verdict,
 )
 from .layer_store import LayerStore
+from .saving import describe
 from .speculation import StepNorms
 from .stats import EpsStats
 from .updater import LayerStats, LossScaler, deferred_divisor
@@ -73,6 +74,7 @@ class Saved:
     path: str
     step: int
     error: str | None = None
+    refused: bool = False  # the error is the OS's (a full or read-only disk), not a bug
 
 
 @dataclass
@@ -327,8 +329,9 @@ class UpdateScheduler:
         for t, start, job in held:
             self._when_released(t, start, job)
         self._begin_save()
-        error = None if done.error is None else f"{type(done.error).__name__}: {done.error}"
-        return Saved(ticket.requester, ticket.path, ticket.target, error)
+        error = None if done.error is None else describe(done.error)
+        return Saved(ticket.requester, ticket.path, ticket.target, error,
+                     isinstance(done.error, OSError))
 
     def loaded(self, directory: str, step: int, state: dict) -> None:
         """Resumed from checkpoint ``directory`` at ``step``: if it is its root's latest, a
@@ -347,21 +350,22 @@ class UpdateScheduler:
         return {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
                 "precision": self.cfg.precision, "loss_scaler": self.scaler.state()}
 
-    def final_checkpoint(self, path: str) -> None:
+    def final_checkpoint(self, path: str) -> bool | None:
         """At exit, with the engines stopped: write the last state, unless a step is half
-        done (a mixed state would not be a step of training)."""
+        done (a mixed state would not be a step of training). True if written, None if there
+        was nothing to write; raises OSError if the OS refused it."""
         if not self.settled() or self.rewriting:
             log.warning("exiting mid-step (layer versions %d..%d, %d updates pending): not "
                         "saving a mixed state; the last checkpoint stands", min(self.versions),
                         max(self.versions), len(self.pending))
-            return
+            return None
         if self._last_saved.get(os.path.abspath(path)) == (
                 self.store.step, _settings(self.checkpoint_extra())):
             log.info("step %d is saved in %s already", self.store.step, path)
-            return
+            return None
         checkpoint.save(path, self.store, [m.optimizer for m in self.engines.layers],
                         self.checkpoint_extra(), self.cfg.keep_checkpoints)
-        log.info("final checkpoint of step %d written to %s", self.store.step, path)
+        return True
 
 
 def _settings(extra: dict) -> dict:

@@ -77,7 +77,8 @@ class EpsServer:
         self.tracer = Tracer(cfg.trace, "eps-server")
         self.events = EventWriter(cfg.events)
         self.core: EpsCore | None = None
-        self._core_kw = {"stats": self.stats, "wake": self._wake, "tracer": self.tracer}
+        self._core_kw = {"stats": self.stats, "wake": self._wake, "tracer": self.tracer,
+                         "notify": self.events.emit}
         self.lobby = Lobby(cfg, self.run_id, **self._core_kw)
         self._lobby = asyncio.Lock()
         self._lock: RunLock | None = None

@@ -51,6 +51,13 @@ class EpsStats:
     """Gradient bytes read from shared-memory slots (accepted pushes)."""
     bytes_received_frames: int = 0
     """Gradient bytes received as frames (accepted pushes)."""
+    checkpoints_written: int = 0
+    """Checkpoints written (periodic, asked for with Save, and the final one)."""
+    checkpoint_failures: int = 0
+    """Checkpoints that could not be written (a full or read-only disk): the previous one
+    stands, the next is tried again."""
+    last_checkpoint_step: int = -1
+    """Step of the last checkpoint written (-1: none yet)."""
     reducing: int = 0
     """Gradients accepted and not yet acknowledged (all ranks): held until every rank's part
     of their layer is in and its update has read them."""

@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 from eps_server.config import ServerArgs
 from protocol import cli
-from protocol.lifecycle import skip_exit_collections
+from protocol.lifecycle import REFUSED, skip_exit_collections
 from protocol.trace import merge
 
 from .config import LaunchArgs
@@ -60,7 +60,8 @@ def build(args: LaunchArgs) -> Launcher:
     return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, console,
                     max_restarts=a.max_restarts,
                     checkpoints=os.path.abspath(server.save) if server.save else "",
-                    early_workers=args.worker.eps_timeout >= READY_TIMEOUT)
+                    early_workers=args.worker.eps_timeout >= READY_TIMEOUT,
+                    checkpoint_errors=a.checkpoint_errors)
 
 
 BUILT_IN_SHAPE = ("layers", "hidden", "heads", "ffn", "vocab", "tie_embeddings")
@@ -125,6 +126,8 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
         "restarts": [{k: v for k, v in r.items() if not k.startswith("_")}
                      for r in launcher.restarts],
         "eps": launcher.eps_stats,
+        # checkpoints the EPS could not write (each: step, path, error, last good step, final)
+        "checkpoint_failures": [asdict(ev) for ev in launcher.checkpoint_failures],
     }
 
 
@@ -140,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             return run_role(args)
         finally:
             skip_exit_collections()
-    problem = unwritable(args.launch.summary_json)
-    if problem:  # found now, not after the training
-        print(f"l2l-launch: --summary-json {args.launch.summary_json}: {problem}",
-              file=sys.stderr)
-        return 2
+    for option, path in (("--summary-json", args.launch.summary_json),
+                         ("--save", args.launch.save)):
+        problem = (unwritable(path) if not os.path.isdir(path) else
+                   "" if os.access(path, os.W_OK) else "not writable")  # a model's directory
+        if problem:  # found now, not after the training
+            print(f"l2l-launch: {option} {path}: {problem}", file=sys.stderr)
+            return REFUSED
     launcher = build(args)
     t0 = time.perf_counter()
     try:
@@ -164,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as e:
                 say(f"l2l-launch: could not write the summary to {path}: {e}", sys.stderr)
                 code = code or 1
+    if code == 0 and summary["checkpoint_failures"]:  # --checkpoint-errors warn
+        last = summary["checkpoint_failures"][-1]
+        good = (f"the latest good one is step {last['last_step']} in {last['path']}"
+                if last["last_step"] >= 0 else "there is no good one")
+        say(f"l2l-launch: warning: training and --save completed, but "
+            f"{len(summary['checkpoint_failures'])} checkpoint(s) failed (last: "
+            f"{last['error']}); {good}", sys.stderr)
     if code == 0:
         peak = max((w["peak_memory_bytes"] for w in summary["workers"]), default=0)
         final = summary["losses"][-1] if summary["losses"] else float("nan")

@@ -63,6 +63,13 @@ class LaunchConfig:
     step exactly (this turns on the EPS's --recovery); a dead EPS restarts the job from its
     last checkpoint (--server-save, --checkpoint-every). 0: any failure fails the job."""
 
+    checkpoint_errors: Literal["warn", "fail"] = "warn"
+    """A checkpoint the EPS cannot write (a full or read-only disk) is said at once, also with
+    --quiet, and counted (summary, l2l-ctl status, metrics); the previous one stays the latest
+    and the next is tried again. warn: the job goes on and exits 0 if training and --save
+    completed (the summary's checkpoint_failures says what failed); fail: the first failure
+    stops the job, exit status 1, so that a scheduler can move it."""
+
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("--workers must be >= 1")

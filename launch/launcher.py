@@ -15,9 +15,8 @@ With ``max_restarts`` N (torchelastic's semantics: N restarts in all), a worker 
 an error, or that the EPS declares dead (a hung one is killed first), is started again with the
 same rank: it rejoins and redoes the step it was in exactly (the EPS runs with --recovery). An
 EPS that dies takes the job down: every worker is stopped and the job starts again from the
-EPS's last checkpoint (--server-save), losing the steps after it. Without restarts, any of these
-fails the job. An EPS that dies while it starts is a death like any other; one that refuses its
-settings (a bad option, a busy endpoint) fails the job at once, with its reason.
+EPS's last checkpoint (--server-save), losing the steps after it, also if it dies as it starts
+(one that refuses its settings fails the job at once). Without restarts, any failure is final.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from protocol.shm import unlink_run
 
 from .children import Child, reaped, signal_group, stop
 from .console import Console
-from .results import eval_result, step_row
+from .results import checkpoint_failure, eval_result, step_row
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
@@ -50,7 +49,8 @@ NO_FAULT = ["--fault", ""]  # a replacement never inherits a test's fault
 class Launcher:
     def __init__(self, server_argv: list[str], worker_argvs: list[list[str]], run_id: str,
                  run_dir: str, steps: int, console: Console, max_restarts: int = 0,
-                 checkpoints: str = "", early_workers: bool = True):
+                 checkpoints: str = "", early_workers: bool = True,
+                 checkpoint_errors: str = "warn"):
         self.server_argv = server_argv
         self.early_workers = early_workers  # see _start_job
         self.worker_argvs = worker_argvs
@@ -60,6 +60,8 @@ class Launcher:
         self.console = console
         self.max_restarts = max_restarts
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
+        self.checkpoint_errors = checkpoint_errors  # warn | fail (LaunchConfig)
+        self.checkpoint_failures: list[events.CheckpointFailed] = []
         self._foreign = _stamp(checkpoints)  # there before (another run's, or loaded): not ours
         self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
         self.children: list[Child] = []
@@ -123,12 +125,23 @@ class Launcher:
                         self._lost.append(ev)
                 elif isinstance(ev, events.Joined):
                     self._on_joined(ev)
+                elif isinstance(ev, events.CheckpointFailed):
+                    self._on_checkpoint_failed(ev)
                 elif isinstance(ev, events.ServerStats):
                     self.eps_stats = ev.stats
                 elif isinstance(ev, events.StepDone):
                     self._on_step(ev)
                 elif isinstance(ev, events.EvalDone):
                     self._on_eval(ev)
+
+    def _on_checkpoint_failed(self, ev: events.CheckpointFailed) -> None:
+        """Said at once (also with --quiet) the first time and for the final one; the others
+        are counted (the EPS's log has each)."""
+        with self._lock:
+            self.checkpoint_failures.append(ev)
+            first = len(self.checkpoint_failures) == 1
+        if first or ev.final:
+            self.console.note(checkpoint_failure(ev, self.checkpoint_errors))
 
     def _on_step(self, ev: events.StepDone) -> None:
         with self._lock:
@@ -253,6 +266,11 @@ class Launcher:
                 continue
             if not self._check_workers():
                 return 1
+            if self.checkpoint_failures and self.checkpoint_errors == "fail":
+                ev = self.checkpoint_failures[0]
+                self.failure = (f"checkpoint of step {ev.step} to {ev.path} failed: {ev.error} "
+                                "(--checkpoint-errors fail)")
+                return 1
             if all(w.proc.poll() == 0 for w in self.workers.values()):
                 break
             if code == 0:
@@ -270,6 +288,9 @@ class Launcher:
             return 1
         if self.server.proc.returncode != 0:
             self.failure = f"eps-server {exit_status(self.server.proc.returncode)}"
+            return 1
+        if self.checkpoint_failures and self.checkpoint_errors == "fail":  # the final one
+            self.failure = f"final checkpoint failed: {self.checkpoint_failures[-1].error}"
             return 1
         return 0
 

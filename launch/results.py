@@ -25,3 +25,15 @@ def eval_result(step: int, parts: list[events.EvalDone]) -> dict:
     loss = sum(p.loss_sum for p in parts) / count
     return {"step": step, "loss": loss, "accuracy": sum(p.correct for p in parts) / count,
             "perplexity": math.exp(min(loss, 50.0)), "count": count}
+
+
+def checkpoint_failure(ev, policy: str) -> str:
+    """The console line of a checkpoint the EPS could not write (an events.CheckpointFailed),
+    under --checkpoint-errors ``policy``."""
+    last = (f"the latest good checkpoint is step {ev.last_step}" if ev.last_step >= 0
+            else "there is no good checkpoint yet")
+    then = ("stopping the job (--checkpoint-errors fail)" if policy == "fail" else
+            "training is complete" if ev.final else
+            "training goes on, the next one will be tried")
+    return (f"l2l-launch: {'final ' if ev.final else ''}checkpoint of step {ev.step} to "
+            f"{ev.path} failed: {ev.error}; {last}; {then}")

@@ -27,7 +27,7 @@ def render(r) -> Group:
                  f"loss scale {s.get('loss_scale', 1):g}",
                  f"EPS memory {mem:,.0f} MiB ({shm:,.0f} MiB shared)",
                  f"pushes {s.get('pushes', 0):,}", f"errors: {s.get('bad_messages', 0)} "
-                 f"undecodable, {s.get('busy_refusals', 0)} busy")
+                 f"undecodable, {s.get('busy_refusals', 0)} busy", checkpoints(s))
     workers = Table(title="workers (from their heartbeats: samples/s over each one's steps so "
                           "far, the other figures of its last step)", title_justify="left")
     for col in ("rank", "host", "pid", "step", "samples/s", "loss", "step time",
@@ -51,6 +51,14 @@ def render(r) -> Group:
         rest = [v for _, (v, _) in shown[MAX_LAYER_ROWS:]]
         layers.add_row(f"{MAX_LAYER_ROWS}..{len(shown) - 1}", f"{min(rest)}..{max(rest)}", "")
     return Group(head, workers, layers)
+
+
+def checkpoints(s: dict) -> str:
+    """Checkpoints written and failed (a full disk), red while the last ones fail."""
+    text = (f"checkpoints {s.get('checkpoints_written', 0)} written, last step "
+            f"{s.get('last_checkpoint_step', -1)}")
+    failed = s.get("checkpoint_failures", 0)
+    return f"{text}, [bold red]{failed} failed[/]" if failed else text
 
 
 def show(renderable) -> None:

@@ -95,6 +95,20 @@ class PeerLost:
     exited: bool = False
 
 
+@event("checkpoint_failed")
+class CheckpointFailed:
+    """A checkpoint of step ``step`` to ``path`` could not be written (``error``, one line);
+    the latest good one there is of step ``last_step`` (-1: none). ``final``: the one written
+    as the EPS exits. Its partial files are removed; the next checkpoint is tried again."""
+
+    KIND: ClassVar[str]
+    step: int
+    path: str
+    error: str
+    last_step: int
+    final: bool = False
+
+
 @event("stats")
 class ServerStats:
     """The EPS's statistics (its EpsStats snapshot), sent when it stops."""

@@ -220,3 +220,55 @@ def test_killing_the_eps_while_it_writes_leaves_a_loadable_checkpoint(cluster, t
     print(f"checkpoint kill trials: {kills} kills, {mid_write} while writing; latest step "
           f"after each: {steps_seen}", file=sys.stderr)
 
+
+
+def test_a_save_the_os_refuses_is_an_error_reply_and_leaves_the_last_checkpoint(
+        trained, tmp_path, monkeypatch, caplog):
+    """l2l-ctl save into a path the EPS cannot write (under /proc) is refused at once with
+    bad_request; one that fails while written (a full disk: ENOSPC from the master's file) gets
+    a `resource` error naming the OS's reason, with no traceback logged, no partial files
+    left, the previous checkpoint still the latest and loadable, the failure counted; and the
+    next Save there is tried again and succeeds."""
+    import errno
+    import logging
+
+    from protocol.events import CheckpointFailed
+    from protocol.messages import Ack, Error, Save
+
+    h = trained
+    events = []
+    h.core.saves.notify = events.append
+    h.send(0, Save(req_id=30, path="/proc/self/ck"))
+    bad = h.take(0, 30).msg
+    assert isinstance(bad, Error) and bad.code == "bad_request" and bad.field == "path", bad
+    assert "cannot write checkpoints to /proc/self/ck" in bad.message
+
+    root = tmp_path / "ck"
+    good = save(h, root)
+    real = checkpoint.write_safetensors
+
+    def full(path, tensors, metadata=None):
+        real(path, tensors[:1], metadata)  # a part is written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(checkpoint, "write_safetensors", full)
+    with caplog.at_level(logging.INFO, logger="eps_server"):
+        h.send(0, Save(req_id=31, path=str(root)))
+        h.poll()
+    refused = h.take(0, 31).msg
+    assert isinstance(refused, Error) and refused.code == "resource", refused
+    assert "No space left on device [ENOSPC]" in refused.message, refused.message
+    assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
+    assert f"the latest good one there is step 1 ({good})" in caplog.text, caplog.text
+    assert sorted(os.listdir(root)) == sorted([checkpoint.LOCK, LATEST, "step-00000001"])
+    assert resolve(str(root)) == good and checkpoint.read_meta(str(root)).state["step"] == 1
+    assert h.core.stats.checkpoint_failures == 1 and h.core.stats.checkpoints_written == 0
+    assert events == [CheckpointFailed(step=1, path=str(root), error=refused.message.split(
+        "failed: ")[1], last_step=1)]
+
+    monkeypatch.setattr(checkpoint, "write_safetensors", real)
+    h.send(0, Save(req_id=32, path=str(root)))
+    h.poll()
+    assert isinstance(h.take(0, 32).msg, Ack)
+    assert resolve(str(root)) != good and checkpoint.read_meta(str(root)).state["step"] == 1
+    assert h.core.stats.checkpoints_written == 1 and h.core.stats.last_checkpoint_step == 1

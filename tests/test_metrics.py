@@ -63,6 +63,8 @@ def test_a_running_job_is_scraped(cluster):
         assert worker["loss"] > 0 and worker["memory_bytes"] > 0 and \
             worker["peak_memory_bytes"] > 0
     assert seen[("l2l_eps_learning_rate", ())] > 0 and seen[("l2l_eps_loss_scale", ())] == 1
+    assert seen[("l2l_eps_checkpoint_failures_total", ())] == 0  # no --server-save here
+    assert seen[("l2l_eps_last_checkpoint_step", ())] == -1
     for w in workers:
         w.terminate()  # a worker says Bye on SIGTERM
     for w in workers:

@@ -40,8 +40,9 @@ def test_status_shows_workers_and_layers_of_a_running_job(cluster):
     assert all(0 <= ms < 60_000 for ms in s["updated_ms"])
     table = subprocess.run(ctl, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
-    for title in ("workers", "samples/s", "layers", "last update"):
+    for title in ("workers", "samples/s", "layers", "last update", "checkpoints 0 written"):
         assert title in table.stdout, table.stdout
+    assert s["stats"]["checkpoint_failures"] == 0 and s["stats"]["last_checkpoint_step"] == -1
     watch = subprocess.Popen([*ctl, "--watch", "--json", "--interval", "0.2"], env=ENV,
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -69,3 +70,12 @@ def test_status_of_a_socket_nobody_serves_says_so_at_once(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "no eps-server listens on" in p.stderr, p.stderr
     assert time.monotonic() - t0 < 8  # not after the 10 s reply timeout
+
+
+def test_status_shows_failed_checkpoints():
+    from launch.status import checkpoints
+
+    assert checkpoints({}) == "checkpoints 0 written, last step -1"
+    text = checkpoints({"checkpoints_written": 3, "checkpoint_failures": 2,
+                        "last_checkpoint_step": 4})
+    assert text.startswith("checkpoints 3 written, last step 4") and "2 failed" in text

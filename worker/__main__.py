@@ -16,7 +16,7 @@ from protocol.lifecycle import die_with_parent, skip_exit_collections
 
 from .config import WorkerArgs
 from .eps_client import EpsDisconnected, EpsError
-from .job import LOG_RANK, run_worker
+from .job import LOG_RANK, ModelNotSaved, run_worker
 
 
 def parse(argv: list[str] | None = None) -> WorkerArgs:
@@ -44,7 +44,7 @@ def run(args: WorkerArgs) -> int:
         handler.addFilter(LOG_RANK)
     try:
         run_worker(args)
-    except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:
+    except (EpsError, EpsDisconnected, TimeoutError, ValueError, ModelNotSaved) as e:
         log = logging.getLogger("l2l_worker")
         log.error("%s", e, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

@@ -137,6 +137,10 @@ def cap_device_memory(device: torch.device, gib: float) -> None:
         torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
 
 
+class ModelNotSaved(Exception):
+    """--save could not be written (the trained weights are still on the EPS)."""
+
+
 class WorkerJob:
     """One worker's life, in the order its methods run: ``join`` the EPS's job, ``bootstrap``
     the EPS's weights if asked, ``train`` (evaluating when due), ``save`` the model (rank 0),
@@ -280,11 +284,22 @@ class WorkerJob:
         self.eval_seconds += time.perf_counter() - t0
 
     def save(self) -> None:
+        """Rank 0 writes --save (atomically: a failed write leaves no partial model). Where the
+        OS refuses (a full disk), training is complete all the same: the Bye says done, so the
+        EPS finishes and writes its final checkpoint (--server-save), and this worker fails
+        with one line that says so."""
         cfg = self.cfg
         if cfg.save and cfg.rank == 0:
-            save_model(self.client, self.source.regions, self.model, self.layout, cfg.steps,
-                       cfg.save, {"format": "pt", "model_config": json.dumps(asdict(self.mcfg)),
-                                  "steps": str(cfg.steps)})
+            try:
+                save_model(self.client, self.source.regions, self.model, self.layout,
+                           cfg.steps, cfg.save, {"format": "pt", "steps": str(cfg.steps),
+                                                 "model_config": json.dumps(asdict(self.mcfg))})
+            except OSError as e:
+                self.done = True
+                raise ModelNotSaved(
+                    f"could not write the model to {cfg.save}: {e.strerror or e}; training is "
+                    "complete: with --server-save the EPS's final checkpoint holds it "
+                    "(l2l-export writes the model from there)") from None
             log.info("rank 0: model saved to %s", cfg.save)
 
     def leave(self) -> None:

@@ -1,0 +1,89 @@
+"""What becomes of a checkpoint once written or failed: one log line (no traceback for what
+the OS refused: a full or read-only disk is an operating condition, not a bug), the counters
+that Status and the metrics show, and an event for whoever started the EPS (l2l-launch says
+the first failure on its console at once, also with --quiet). A failed checkpoint leaves no
+partial files (checkpoint.py), the previous one stays the latest, and the next is tried."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from protocol.checkpoints import latest
+from protocol.events import CheckpointFailed
+from protocol.messages import Ack
+
+from .replies import Out, error_out
+from .stats import EpsStats
+
+if TYPE_CHECKING:
+    from .scheduler import Saved
+
+log = logging.getLogger("eps_server")
+
+
+def describe(e: BaseException) -> str:
+    """One line: an OSError as the OS says it ("No space left on device [ENOSPC]"), anything
+    else with its type (a bug: its traceback is logged where it happened)."""
+    if isinstance(e, OSError) and e.strerror:
+        name = errno.errorcode.get(e.errno or 0, "")
+        return f"{e.strerror}{f' [{name}]' if name else ''}"
+    return f"{type(e).__name__}: {e}"
+
+
+class SaveOutcomes:
+    def __init__(self, stats: EpsStats, notify: Callable[[object], None]):
+        self.stats, self.notify = stats, notify
+        self._failing = 0  # failures since the last checkpoint written
+
+    def written(self, step: int, path: str, final: bool = False) -> None:
+        self.stats.checkpoints_written += 1
+        self.stats.last_checkpoint_step = step
+        what = "final checkpoint" if final else "checkpoint"
+        if self._failing:
+            log.warning("%s of step %d written to %s, after %d that failed", what, step, path,
+                        self._failing)
+        else:
+            log.info("%s of step %d written to %s", what, step, path)
+        self._failing = 0
+
+    def failed(self, step: int, path: str, error: str, final: bool = False) -> None:
+        self.stats.checkpoint_failures += 1
+        self._failing += 1
+        found = latest(path)
+        last = found[1] if found else -1
+        log.error("%s of step %d to %s failed: %s; %s", "final checkpoint" if final else
+                  "checkpoint", step, path, error,
+                  f"the latest good one there is step {last} ({found[0]})" if found else
+                  "there is no good one there yet")
+        self.notify(CheckpointFailed(step=step, path=path, error=error, last_step=last,
+                                     final=final))
+
+    def settle(self, saved: Saved) -> list[Out]:
+        """A checkpoint's outcome: logged and counted; a Save's requester gets its Ack, or an
+        Error: ``resource`` where the OS refused (say, a full disk), else ``internal``."""
+        if saved.error is None:
+            self.written(saved.step, saved.path)
+        else:
+            self.failed(saved.step, saved.path, saved.error)
+        who = saved.requester
+        if who is None:
+            return []
+        if saved.error is not None:
+            return [error_out(who.peer, who.req_id, "resource" if saved.refused else "internal",
+                              f"checkpoint of step {saved.step} to {saved.path} failed: "
+                              f"{saved.error}")]
+        return [Out(who.peer, Ack(req_id=who.req_id))]
+
+    def final(self, write: Callable[[], bool | None], step: int, path: str) -> None:
+        """The checkpoint written as the EPS exits (``write``: True if it wrote one): a
+        refusal by the OS is said and counted like any other, and the EPS exits normally (its
+        workers finished; the launcher's --checkpoint-errors decides what the job's exit
+        status says)."""
+        try:
+            if write():
+                self.written(step, path, final=True)
+        except OSError as e:
+            self.failed(step, path, describe(e), final=True)
