@@ -18,6 +18,7 @@ import uvloop
 from protocol import cli
 from protocol.lifecycle import REFUSED, die_with_parent, skip_exit_collections
 
+from .boxes import BoxLost
 from .config import ServerArgs, ServerConfig
 from .server import EpsServer
 
@@ -45,6 +46,9 @@ def run(cfg: ServerConfig) -> int:
     except (ValueError, OSError) as e:  # bad settings, a port or file the machine refused
         logging.getLogger("eps_server").error("%s", e)
         return REFUSED
+    except BoxLost as e:  # the other boxes did not come (a restart may find them)
+        logging.getLogger("eps_server").error("%s", e)
+        return 1
     finally:
         server.close()
     return 0

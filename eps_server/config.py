@@ -95,6 +95,40 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True)
+class BoxesConfig:
+    """A job over several machines ("boxes"): one EPS per box with its local workers, the EPSes
+    joined in a torch.distributed (gloo) process group by the env:// rendezvous contract."""
+
+    nodes: int = 1
+    """Boxes in the job (each runs one EPS and its workers); 1: this box alone."""
+    node_rank: int = 0
+    """This box's rank in [0, nodes): its workers take global ranks node_rank*W .. +W-1."""
+    master_addr: str = "127.0.0.1"
+    """Box 0's address for the rendezvous (MASTER_ADDR). gloo has no authentication: a
+    non-loopback address needs --insecure (a private network between the boxes)."""
+    master_port: int = 29500
+    """Box 0's rendezvous port (MASTER_PORT)."""
+    box_timeout: float = 60.0
+    """Seconds a cross-box reduction (or the rendezvous) may wait for the other boxes: a box
+    that dies or is cut off fails the job on every other box within this bound."""
+    box_check_every: int = 50
+    """Compare the replicas' checksums across boxes every K steps (0: never); a difference
+    stops the job."""
+    rendezvous: Literal["tcp", "env"] = "tcp"
+    """tcp: box 0 serves the rendezvous on master_addr:master_port; env: torch.distributed's
+    env:// from the environment (under torchrun, its agent's store; l2l-launch sets this
+    when it finds torchrun's variables)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 1024 or not 0 <= self.node_rank < self.nodes:
+            raise ValueError("nodes must be in [1, 1024] and node_rank in [0, nodes)")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError("master_port must be in [1, 65535]")
+        if not 1 <= self.box_timeout <= 86400 or self.box_check_every < 0:
+            raise ValueError("box_timeout must be in [1, 86400] s, box_check_every >= 0")
+
+
+@dataclass(kw_only=True)
 class ServerConfig:
     """The eps-server process."""
 
@@ -115,6 +149,7 @@ class ServerConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision served to the workers. The master and optimizer state are fp32."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    boxes: BoxesConfig = field(default_factory=BoxesConfig)
     update: Literal["eager", "deferred"] = "eager"
     """eager: update each layer as soon as its gradient is in (L2Lp overlap; with --clip-norm
     or fp16 the update is speculative and rolled back if the step's global norm clips or a
@@ -193,6 +228,12 @@ class ServerConfig:
             raise ValueError("CURVE needs both curve_secret_key and curve_clients")
         if self.run_id and not is_run_id(self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
+        b = self.boxes
+        if b.nodes > 1 and not (is_loopback_host(b.master_addr) or self.insecure):
+            raise ValueError(f"--master-addr {b.master_addr} (not loopback): the boxes' gloo "
+                             "group has no authentication, anyone who reaches its ports could "
+                             "join or feed it; on a private network between the boxes give "
+                             "--insecure to allow it")
 
     @property
     def compute_dtype(self) -> str:

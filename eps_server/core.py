@@ -44,6 +44,7 @@ from protocol.messages import (
 from protocol.trace import NULL, Tracer
 
 from . import checkpoint
+from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import ServerConfig, with_changes
 from .dataplane import DataPlane
@@ -77,6 +78,9 @@ class EpsCore:
         self.buffers = BufferPool()
         self.engines = Engines(store, layer_maths(store, cfg.optimizer, self.pool, self.buffers),
                                cfg.math_threads, self._on_done, inline=inline, tracer=tracer)
+        if cfg.boxes.nodes > 1:  # the group was joined at the server's start (server.py)
+            self.engines.boxes = CrossBox(cfg.boxes, store.num_layers, max(store.step, 0),
+                                          [store.master(i) for i in range(store.num_layers)])
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)
         self._lost: list[Peer] = []  # declared dead, not yet reported by expire()
@@ -360,6 +364,8 @@ class EpsCore:
                  "loss_scale": self.scheduler.scaler.scale,
                  **model_memory(self.store, [m.optimizer for m in self.engines.layers],
                                 self.buffers, self._rss_before)}
+        if self.engines.boxes is not None:  # engine time in cross-box reductions
+            stats["box_reduce_seconds"] = round(self.engines.boxes.reduce_seconds, 6)
         if self.broken:
             stats["broken"] = self.broken
         return stats

@@ -15,6 +15,7 @@ deterministically); results still arrive through ``on_done``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import queue
@@ -28,6 +29,7 @@ import torch
 
 from protocol.trace import NULL, Tracer
 
+from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import OptimizerConfig
 from .layer_math import Checked, LayerMath, all_finite
@@ -190,6 +192,7 @@ class Engines:
         self.store, self.layers, self.on_done, self.tracer = store, layers, on_done, tracer
         self.n = 1 if inline else max(1, min(n, len(layers), MAX_ENGINES))
         self.inline = inline
+        self.boxes: CrossBox | None = None  # several boxes: reduce across them first
         self._stopping = False
         self._parks: list[_Park] = []  # exclusive jobs under way (released on close)
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.n)]
@@ -285,8 +288,28 @@ class Engines:
         return True
 
     def _update(self, job: Update) -> Updated:
+        if self.boxes is None:
+            return self._update_parts(job, tuple(p.src for p in job.parts))
+        math_ = self.layers[job.layer]  # several boxes: the layer's sum over every box's ranks
+        with self.tracer.span(f"boxes L{job.layer}", "reduce"):
+            summed = math_.summed(tuple(p.src for p in job.parts))
+            try:
+                self.boxes.reduce(job.layer, job.t, summed)
+            except BaseException:
+                math_.release(summed)
+                raise
+        try:
+            updated = self._update_parts(job, (summed,))
+        finally:
+            math_.release(summed)
+        if updated.checked.refused:  # after the sum no rank can be told to push again: the
+            # step cannot complete anywhere (as when finite parts overflow together)
+            updated = dataclasses.replace(updated, checked=Checked((), True,
+                                                                   updated.checked.norm_sq))
+        return updated
+
+    def _update_parts(self, job: Update, parts: tuple[torch.Tensor, ...]) -> Updated:
         math_ = self.layers[job.layer]
-        parts = tuple(p.src for p in job.parts)
         t0 = time.perf_counter()
         with self.tracer.span(f"check L{job.layer}", "reduce"):
             checked = math_.check(parts)

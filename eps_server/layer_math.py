@@ -91,6 +91,12 @@ class LayerMath:
             self.optimizer._gather(parts, kept)
         return kept
 
+    def summed(self, parts) -> torch.Tensor:
+        """sum(parts) in a pooled fp32 buffer (what crosses boxes; ``release`` it)."""
+        out = self.buffers.take(self.plan.numel, torch.float32)
+        self.optimizer._gather(parts, out)
+        return out
+
     def apply(self, kept: torch.Tensor, t: int, grad_scale: float,
               cfg: OptimizerConfig) -> None:
         self.optimizer.step((kept,), t, lr=cfg.lr_at(t), grad_scale=grad_scale, cfg=cfg)

@@ -154,6 +154,8 @@ class UpdateScheduler:
     def skipped(self, layer: int, t: int) -> None:
         """Every rank skipped ``layer`` at step ``t`` (LayerDrop): its version advances with
         its optimizer state untouched, as torch's optimizers skip a parameter without grad."""
+        if self.engines.boxes is not None:  # every box skips it: no collective for it
+            self.engines.boxes.skip(layer, t)
         self.pending.add(layer)
         check = self._step(t)
         if check is None:

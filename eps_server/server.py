@@ -31,6 +31,7 @@ from protocol.tensors import DTYPES
 from protocol.trace import Tracer
 
 from . import checkpoint, kernels, metrics
+from .boxes import CrossBox
 from .config import ServerConfig
 from .core import EpsCore
 from .lobby import Lobby, load_core
@@ -122,6 +123,8 @@ class EpsServer:
         for run, (count, size) in remove_orphans().items():
             log.warning("removed %d shared-memory regions (%.1f MiB) of run %s, left by a "
                         "server that is gone", count, size / 2**20, run)
+        if self.cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
+            await asyncio.to_thread(CrossBox.join, self.cfg.boxes)
         if self.cfg.load:
             self.core = await asyncio.to_thread(load_core, self.cfg, self.cfg.load,
                                                 self.run_id, **self._core_kw)
@@ -205,6 +208,7 @@ class EpsServer:
         if self._holds_root:
             checkpoint.release_root(self.cfg.save)
             self._holds_root = False
+        CrossBox.close()
         self.tracer.close()
         return stats
 

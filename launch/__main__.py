@@ -25,7 +25,7 @@ from protocol.trace import merge
 from .config import LaunchArgs
 from .console import Console, say, table
 from .launcher import READY_TIMEOUT, Launcher
-from .roles import run_role, server_config, worker_args
+from .roles import run_role, server_config, under_torchrun, worker_args
 from .rundir import private_run_dir
 
 
@@ -61,7 +61,7 @@ def build(args: LaunchArgs) -> Launcher:
                     max_restarts=a.max_restarts,
                     checkpoints=os.path.abspath(server.save) if server.save else "",
                     early_workers=args.worker.eps_timeout >= READY_TIMEOUT,
-                    checkpoint_errors=a.checkpoint_errors)
+                    checkpoint_errors=a.checkpoint_errors, boxes=server.boxes.nodes)
 
 
 BUILT_IN_SHAPE = ("layers", "hidden", "heads", "ffn", "vocab", "tie_embeddings")
@@ -133,6 +133,11 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
 
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse(LaunchArgs, argv, "l2l-launch", __doc__.split("\n")[0])
+    try:
+        args = under_torchrun(args)
+    except ValueError as e:
+        print(f"l2l-launch: {e}", file=sys.stderr)
+        return REFUSED
     if args.launch.plan:
         from .plan import plan_text  # builds the model's manifest: loads torch
 

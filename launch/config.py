@@ -11,8 +11,8 @@ from protocol.shm import is_run_id
 from worker.config import DataConfig, ModelConfig, WorkerConfig
 
 # Set by the launcher for each child, so not options of its own.
-PER_WORKER = ("endpoint", "rank", "world_size", "save", "summary_json", "trace", "events",
-              "log_level")
+PER_WORKER = ("endpoint", "rank", "world_size", "box", "boxes", "save", "summary_json", "trace",
+              "events", "log_level")
 PER_SERVER = ("endpoint", "world_size", "run_id", "exit_when_done", "trace", "events",
               "log_level")
 

@@ -50,7 +50,7 @@ class Launcher:
     def __init__(self, server_argv: list[str], worker_argvs: list[list[str]], run_id: str,
                  run_dir: str, steps: int, console: Console, max_restarts: int = 0,
                  checkpoints: str = "", early_workers: bool = True,
-                 checkpoint_errors: str = "warn"):
+                 checkpoint_errors: str = "warn", boxes: int = 1):
         self.server_argv = server_argv
         self.early_workers = early_workers  # see _start_job
         self.worker_argvs = worker_argvs
@@ -60,7 +60,7 @@ class Launcher:
         self.console = console
         self.max_restarts = max_restarts
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
-        self.checkpoint_errors = checkpoint_errors  # warn | fail (LaunchConfig)
+        self.checkpoint_errors, self.boxes = checkpoint_errors, boxes  # LaunchConfig, --nodes
         self.checkpoint_failures: list[events.CheckpointFailed] = []
         self._foreign = _stamp(checkpoints)  # there before (another run's, or loaded): not ours
         self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
@@ -151,7 +151,7 @@ class Launcher:
             by_rank[ev.rank] = ev
             if len(by_rank) != len(self.worker_argvs):
                 return
-            row = step_row(ev.step, list(by_rank.values()))
+            row = step_row(ev.step, list(by_rank.values()), self.boxes)
             self.progress.append(row)
         self.console.step(row)
 

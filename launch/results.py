@@ -8,11 +8,12 @@ import math
 from protocol import events
 
 
-def step_row(step: int, parts: list[events.StepDone]) -> dict:
-    """Every rank's report of ``step``: the loss is the sum of their shares of the global mean,
-    the time and waits its slowest worker's."""
+def step_row(step: int, parts: list[events.StepDone], boxes: int = 1) -> dict:
+    """Every rank's report of ``step``: the loss is the sum of their shares of the global mean
+    (with several boxes, this box's workers' mean: their shares times the boxes), the time and
+    waits its slowest worker's."""
     slowest = max(parts, key=lambda r: r.seconds)
-    return {"step": step, "loss": sum(r.loss for r in parts),
+    return {"step": step, "loss": boxes * sum(r.loss for r in parts),
             "accuracy": sum(r.correct for r in parts) / max(1, sum(r.count for r in parts)),
             "seconds": slowest.seconds, "samples": sum(r.samples for r in parts),
             "fetch_wait": slowest.fetch_wait, "push_wait": slowest.push_wait,

@@ -29,12 +29,30 @@ def server_config(args: LaunchArgs, endpoint: str, run_id: str, trace: str = "")
 
 def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,
                 trace: str = "") -> WorkerArgs:
-    """Worker ``rank`` (-1: any free rank) of this job; rank 0 saves the model (--save)."""
-    a = args.launch
+    """Worker ``rank`` (-1: any free rank) of this box; box 0's rank 0 saves the model
+    (--save)."""
+    a, boxes = args.launch, args.server.boxes
     w = replace(args.worker, endpoint=endpoint, rank=rank, world_size=a.workers,
-                save=os.path.abspath(a.save) if a.save and rank in (0, -1) else "",
-                summary_json=summary_json, trace=trace)
+                box=boxes.node_rank, boxes=boxes.nodes,
+                save=os.path.abspath(a.save) if a.save and rank in (0, -1)
+                and boxes.node_rank == 0 else "", summary_json=summary_json, trace=trace)
     return WorkerArgs(worker=w, model=args.model, data=args.data)
+
+
+def under_torchrun(args: LaunchArgs, env=os.environ) -> LaunchArgs:
+    """l2l-launch started by torchrun (``--nnodes N --nproc-per-node 1``) on each box: the
+    boxes are its nodes (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT), and the EPSes join
+    through torchrun's own store (env://). --nodes on the command line wins."""
+    if args.server.boxes.nodes > 1 or "TORCHELASTIC_RUN_ID" not in env:
+        return args
+    nodes, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    if int(env.get("LOCAL_WORLD_SIZE", "1")) != 1:
+        raise ValueError("under torchrun, start l2l-launch once per box: --nproc-per-node 1 "
+                         "(l2l-launch starts the box's workers itself)")
+    boxes = replace(args.server.boxes, nodes=nodes, node_rank=rank, rendezvous="env",
+                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                    master_port=int(env.get("MASTER_PORT", "29500")))
+    return replace(args, server=replace(args.server, boxes=boxes))
 
 
 def run_role(args: LaunchArgs) -> int:

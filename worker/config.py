@@ -129,7 +129,13 @@ class WorkerConfig:
     """This worker's rank in [0, world_size): it runs global micro-batches [rank*u, (rank+1)*u).
     -1: the EPS assigns the lowest free rank (identical replicas, e.g. containers)."""
     world_size: int = 1
-    """Number of workers in the job."""
+    """Number of workers of this worker's EPS (its box)."""
+    box: int = 0
+    """This worker's box in a job over several (--nodes): its global rank is
+    box*world_size + rank, which decides its micro-batches."""
+    boxes: int = 1
+    """Boxes in the job, each with world_size workers (the data-parallel size is the
+    product)."""
     device: str = "cpu"
     """cpu, cuda or cuda:K; cuda: rank r runs on cuda:(r mod the number of GPUs it sees)."""
     steps: int = 10
@@ -199,6 +205,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not -1 <= self.rank < self.world_size:
             raise ValueError("rank must be in [0, world_size), or -1 (any free rank)")
+        if not 0 <= self.box < self.boxes:
+            raise ValueError("box must be in [0, boxes)")
         if self.micro_batches < 1 or self.micro_batch_size < 1 or self.steps < 0:
             raise ValueError("micro_batches and micro_batch_size must be >= 1, steps >= 0")
         if self.grad_dtype not in ("compute", "float32"):
@@ -222,11 +230,16 @@ class WorkerConfig:
 
     @property
     def global_micro_batches(self) -> int:
-        return self.world_size * self.micro_batches
+        return self.boxes * self.world_size * self.micro_batches
+
+    @property
+    def global_rank(self) -> int:
+        return self.box * self.world_size + self.rank
 
     def my_micro_batches(self) -> range:
-        """Global indices of this worker's micro-batches: rank r has [r*u, (r+1)*u)."""
-        return range(self.rank * self.micro_batches, (self.rank + 1) * self.micro_batches)
+        """Global indices of this worker's micro-batches: global rank g has [g*u, (g+1)*u)."""
+        g = self.global_rank
+        return range(g * self.micro_batches, (g + 1) * self.micro_batches)
 
 
 @dataclass(kw_only=True)

@@ -157,8 +157,9 @@ class WorkerJob:
         self.model = build_model(self.mcfg)
         self.task = build_task(self.model, args.data, micro_batch_size=cfg.micro_batch_size,
                                global_micro_batches=cfg.global_micro_batches)
-        self.evalset = build_eval(self.model, args.data, cfg.micro_batch_size, max(cfg.rank, 0),
-                                  cfg.world_size)
+        self.evalset = build_eval(self.model, args.data, cfg.micro_batch_size,
+                                  cfg.box * cfg.world_size + max(cfg.rank, 0),
+                                  cfg.boxes * cfg.world_size)
         self.manifest = self.model.manifest()
         self.layout = plan_layout(self.manifest)
         # a bad path fails before the join, unless it names the rank (known after the join)
@@ -199,8 +200,8 @@ class WorkerJob:
         if cfg.rank != welcome.rank:  # asked for any rank (-1): this is the one assigned
             cfg = self.cfg = replace(cfg, rank=welcome.rank)
             if self.evalset is not None:
-                self.evalset = EvalSet(self.evalset.task, cfg.micro_batch_size, cfg.rank,
-                                       cfg.world_size)
+                self.evalset = EvalSet(self.evalset.task, cfg.micro_batch_size, cfg.global_rank,
+                                       cfg.boxes * cfg.world_size)
         LOG_RANK.rank = str(cfg.rank)
         if cfg.summary_json:  # its folder made now: an unwritable one fails before training
             self.summary_path = summary_file(cfg.summary_json, cfg.rank, welcome.run_id)

@@ -1,0 +1,197 @@
+"""A job over several boxes (``--nodes``): here the "boxes" are l2l-launch processes on
+loopback, each with its own EPS, workers, shared memory and socket, joined by a real gloo
+group. 2 boxes x 1 worker train as 1 box x 2 workers do; replicas are compared across boxes;
+a box that dies fails the others within --box-timeout, saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from eps_server.boxes import BoxLost, Sequence
+
+from .baseline import assert_close
+from .helpers import ENV, SMALL
+from .test_launch import LAUNCH, assert_nothing_left, processes_with
+
+STEPS = 6
+JOB = [*SMALL, "--steps", str(STEPS), "--lr", "3e-3", "--box-check-every", "2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def boxes(tmp_path, n: int, *extra: str, per_box=lambda r: ()) -> list[subprocess.Popen]:
+    """Start ``n`` boxes of one worker each (box 0 saves the model); their launchers."""
+    port = str(free_port())
+    procs = []
+    for r in range(n):
+        d = tmp_path / f"box{r}"
+        d.mkdir(mode=0o700)  # it holds the box's ipc socket
+        procs.append(subprocess.Popen(
+            [*LAUNCH, "--endpoint", f"ipc://{d}/eps.sock", "--summary-json", str(d / "s.json"),
+             "--workers", "1", "--nodes", str(n), "--node-rank", str(r), "--master-port", port,
+             *JOB, "--save", str(d / "m.st"), *extra, *per_box(r)],
+            env=ENV, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True))
+    return procs
+
+
+def finish(procs, timeout=240) -> list[tuple[int, str]]:
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_box(tmp_path_factory):
+    """1 box x n workers, the reference."""
+    done = {}
+
+    def get(n: int) -> dict:
+        if n not in done:
+            tmp = tmp_path_factory.mktemp(f"one{n}")
+            p = subprocess.run([*LAUNCH, "--workers", str(n), *JOB, "--save", str(tmp / "m.st")],
+                               env=ENV, cwd=tmp, capture_output=True, text=True, timeout=240)
+            assert p.returncode == 0, p.stderr
+            done[n] = load_file(str(tmp / "m.st"))
+        return done[n]
+
+    return get
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_n_boxes_of_one_worker_train_as_one_box_of_n(tmp_path, one_box, n):
+    """6 AdamW steps, dropout on: the same global micro-batches, the same sum of gradients (in
+    fp32, rank order, here bitwise; the tolerance is FP32's 1e-5 + 1e-4 rel), replicas compared
+    every 2 steps across the boxes."""
+    results = finish(boxes(tmp_path, n))
+    for r, (code, err) in enumerate(results):
+        assert code == 0, f"box {r}: {err}"
+    got = load_file(str(tmp_path / "box0" / "m.st"))
+    assert_close(got, one_box(n), atol=1e-5, rtol=1e-4)
+    for r in range(n):
+        s = json.loads((tmp_path / f"box{r}" / "s.json").read_text())
+        assert s["ok"] and s["steps"] == STEPS and s["world_size"] == 1
+        eps = (tmp_path / f"box{r}" / "runs" / s["run_id"] / "eps.log").read_text()
+        assert eps.count(f"the {n} boxes' replicas are identical") == 3, eps  # steps 0, 2, 4
+        assert_nothing_left(f"ipc://{tmp_path}/box{r}/eps.sock", s["run_id"])
+    assert not (tmp_path / "box1" / "m.st").exists()  # box 0 writes --save
+
+
+def test_replicas_that_differ_stop_the_job_on_every_box(tmp_path):
+    """Box 1's workers start the model from another seed: the first comparison (step 0)
+    finds the replicas different, and both boxes fail saying so."""
+    results = finish(boxes(tmp_path, 2, per_box=lambda r: ("--seed", str(5 + r))))
+    for r, (code, err) in enumerate(results):
+        assert code == 1, f"box {r}: {err}"
+        s = json.loads((tmp_path / f"box{r}" / "s.json").read_text())
+        eps = (tmp_path / f"box{r}" / "runs" / s["run_id"] / "eps.log").read_text()
+        assert "the replicas differ at step 0 in layers" in eps, eps
+
+
+def test_a_dead_box_fails_the_others_within_the_timeout(tmp_path):
+    """Box 1's EPS is killed once training runs: box 0's next reduction fails (gloo sees
+    the connection gone, or waits --box-timeout at most) and box 0's job fails saying so,
+    well within the bound; nothing of it is left behind."""
+    procs = boxes(tmp_path, 2, "--box-timeout", "10", "--steps", "400", "--log-every", "1")
+    try:
+        steps = 0
+        for line in procs[0].stdout:  # box 0's progress: one line a step
+            steps += line.startswith("step ")
+            if steps >= 3:
+                break
+        endpoint = f"ipc://{tmp_path}/box1/eps.sock"
+        [eps] = [pid for pid in processes_with(endpoint) if b"eps_server" in
+                 open(f"/proc/{pid}/cmdline", "rb").read()]
+        t0 = time.monotonic()
+        os.kill(eps, signal.SIGKILL)
+        code, err = finish(procs[:1])[0]
+        took = time.monotonic() - t0
+    finally:
+        finish(procs)
+    assert code == 1, err
+    assert took < 10 + 30, took  # the bound, and the launcher's stop of its children
+    s = json.loads((tmp_path / "box0" / "s.json").read_text())
+    eps = (tmp_path / "box0" / "runs" / s["run_id"] / "eps.log").read_text()
+    assert "boxes failed (a box died or is cut off?)" in eps, eps
+    assert_nothing_left(f"ipc://{tmp_path}/box0/eps.sock", s["run_id"])
+
+
+def test_the_boxes_group_on_a_routable_address_needs_insecure(tmp_path):
+    p = subprocess.run([*LAUNCH, "--workers", "1", *JOB, "--nodes", "2", "--master-addr",
+                        "10.1.2.3"], env=ENV, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "gloo group has no authentication" in p.stderr, p.stderr
+
+
+def test_the_sequence_puts_every_box_s_collectives_in_one_order():
+    """Steps ascending, layers descending within a step; a skipped layer is passed over; a
+    turn that never comes times out; a failure wakes every waiter."""
+    seq = Sequence(3, step=4)
+    order = []
+
+    def engine(key):
+        seq.wait_turn(key, 10.0)
+        order.append(key)
+        seq.done(key)
+
+    threads = [threading.Thread(target=engine, args=(k,)) for k in
+               [(5, 0), (4, 0), (5, 2), (4, 2)]]  # started out of order; (4, 1) is skipped
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    seq.skip((4, 1))
+    seq.skip((5, 1))
+    for t in threads:
+        t.join(10)
+    assert order == [(4, 2), (4, 0), (5, 2), (5, 0)] and seq.next == (6, 2)
+    with pytest.raises(BoxLost, match="waited 0.1 s for its turn"):
+        seq.wait_turn((6, 1), 0.1)
+    seq.fail(RuntimeError("gone"))
+    with pytest.raises(BoxLost, match="an earlier cross-box reduction failed: gone"):
+        seq.wait_turn((6, 2), 1.0)
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_box_runs_one_l2l_launch(tmp_path, one_box):
+    """torchrun --nnodes 2 --nproc-per-node 1 on each "box" runs l2l-launch, which takes the
+    boxes from torchrun's variables and joins through its store: the same weights again."""
+    import shutil
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("no torchrun beside this Python")
+    port, procs = str(free_port()), []
+    for r in range(2):
+        d = tmp_path / f"box{r}"
+        d.mkdir(mode=0o700)
+        procs.append(subprocess.Popen(
+            [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(r),
+             "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch", "--quiet",
+             "--workers", "1", *JOB, *(["--save", str(d / "m.st")] if r == 0 else [])],
+            env=ENV, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True))
+    for r, (code, err) in enumerate(finish(procs)):
+        assert code == 0, f"box {r}: {err}"
+    assert_close(load_file(str(tmp_path / "box0" / "m.st")), one_box(2), atol=1e-5, rtol=1e-4)
