@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,15 +40,17 @@ class Sequence:
     """The canonical order of the cross-box collectives: (step, layer) with steps ascending
     and, within a step, layers descending; keys announced as skipped are passed over."""
 
-    def __init__(self, layers: int, step: int):
+    def __init__(self, layers: int, start: Callable[[], int]):
         self.layers = layers
-        self.next = (step, layers - 1)
+        self._start = start  # the step the box's first collective belongs to, asked then
+        self.next: tuple[int, int] | None = None  # (a checkpoint loaded after construction)
         self._skipped: set[tuple[int, int]] = set()
         self._cv = threading.Condition()
         self.broken: BaseException | None = None
 
     def wait_turn(self, key: tuple[int, int], timeout: float) -> None:
         with self._cv:
+            self._begin()
             if not self._cv.wait_for(lambda: self.next == key or self.broken is not None,
                                      timeout):
                 raise BoxLost(f"layer {key[1]} of step {key[0]} waited {timeout:g} s for its "
@@ -62,6 +65,7 @@ class Sequence:
 
     def skip(self, key: tuple[int, int]) -> None:
         with self._cv:
+            self._begin()
             self._skipped.add(key)
             self._advance(move=False)
 
@@ -69,6 +73,10 @@ class Sequence:
         with self._cv:
             self.broken = self.broken or e
             self._cv.notify_all()
+
+    def _begin(self) -> None:
+        if self.next is None:
+            self.next = (self._start(), self.layers - 1)
 
     def _advance(self, move: bool = True) -> None:
         if move:
@@ -86,9 +94,9 @@ class Sequence:
 class CrossBox:
     """This EPS's membership of the boxes' group (``join`` blocks until every box is there)."""
 
-    def __init__(self, cfg: BoxesConfig, layers: int, step: int, masters):
+    def __init__(self, cfg: BoxesConfig, layers: int, start: Callable[[], int], masters):
         self.cfg = cfg
-        self.sequence = Sequence(layers, step)
+        self.sequence = Sequence(layers, start)
         self._masters = masters  # layer -> its fp32 master (the replica checksums)
         self.reduce_seconds = 0.0  # time engines waited on cross-box reductions
         self.checks = 0

@@ -79,7 +79,8 @@ class EpsCore:
         self.engines = Engines(store, layer_maths(store, cfg.optimizer, self.pool, self.buffers),
                                cfg.math_threads, self._on_done, inline=inline, tracer=tracer)
         if cfg.boxes.nodes > 1:  # the group was joined at the server's start (server.py)
-            self.engines.boxes = CrossBox(cfg.boxes, store.num_layers, max(store.step, 0),
+            self.engines.boxes = CrossBox(cfg.boxes, store.num_layers,
+                                          lambda: max(store.step, 0),
                                           [store.master(i) for i in range(store.num_layers)])
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)

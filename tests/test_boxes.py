@@ -147,7 +147,7 @@ def test_the_boxes_group_on_a_routable_address_needs_insecure(tmp_path):
 def test_the_sequence_puts_every_box_s_collectives_in_one_order():
     """Steps ascending, layers descending within a step; a skipped layer is passed over; a
     turn that never comes times out; a failure wakes every waiter."""
-    seq = Sequence(3, step=4)
+    seq = Sequence(3, lambda: 4)
     order = []
 
     def engine(key):
@@ -195,3 +195,38 @@ def test_under_torchrun_each_box_runs_one_l2l_launch(tmp_path, one_box):
     for r, (code, err) in enumerate(finish(procs)):
         assert code == 0, f"box {r}: {err}"
     assert_close(load_file(str(tmp_path / "box0" / "m.st")), one_box(2), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path):
+    """Global batch 6 micro-batches (global rank g runs [g*u, (g+1)*u), so every split runs the
+    same ones): 2 boxes x u=3 train 4 steps and checkpoint (a full replica per box); the run
+    resumes from box 0's checkpoint on 1 box (u=6) and on 3 boxes (u=2) to step 8, and both
+    end as 1 box x u=6 trained 8 steps without a stop does."""
+    job = [*JOB, "--micro-batches"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    p = subprocess.run([*LAUNCH, "--workers", "1", *job, "6", "--steps", "8", "--save",
+                        str(ref / "m.st")], env=ENV, cwd=ref, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stderr
+    want = load_file(str(ref / "m.st"))
+    first = tmp_path / "first"
+    first.mkdir()
+    for r, (code, err) in enumerate(finish(boxes(first, 2, "--micro-batches", "3", "--steps",
+                                                 "4", "--server-save", "ck"))):
+        assert code == 0, f"box {r}: {err}"
+    ck = str(first / "box0" / "ck")
+    one = tmp_path / "one"
+    one.mkdir()
+    p = subprocess.run([*LAUNCH, "--workers", "1", *job, "6", "--steps", "8", "--load", ck,
+                        "--save", str(one / "m.st")], env=ENV, cwd=one, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert_close(load_file(str(one / "m.st")), want, atol=1e-5, rtol=1e-4)
+    three = tmp_path / "three"
+    three.mkdir()
+    for r, (code, err) in enumerate(finish(boxes(three, 3, "--micro-batches", "2", "--steps",
+                                                 "8", "--load", ck))):
+        assert code == 0, f"box {r}: {err}"
+    assert_close(load_file(str(three / "box0" / "m.st")), want, atol=1e-5, rtol=1e-4)
