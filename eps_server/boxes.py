@@ -131,8 +131,9 @@ class CrossBox:
         self.sequence.wait_turn(key, self.cfg.box_timeout)
         try:
             every = self.cfg.box_check_every
-            if every and layer == self.sequence.layers - 1 and t % every == 0:
-                self._compare(t)
+            if layer == self.sequence.layers - 1 and (not self.checks or every and
+                                                      t % every == 0):
+                self._compare(t)  # always at a box's first step: a restart's checkpoints
             dist.all_reduce(grad)
         except BoxLost as e:
             self.sequence.fail(e)
@@ -153,11 +154,15 @@ class CrossBox:
         one): the boxes' checksums of their masters must be equal."""
         import torch.distributed as dist
 
-        mine = torch.tensor([checksum(m) for m in self._masters], dtype=torch.int64)
+        mine = torch.tensor([t] + [checksum(m) for m in self._masters], dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.cfg.nodes)]
         dist.all_gather(every, mine)
-        bad = sorted({int(i) for other in every for i in torch.nonzero(other != mine)})
         self.checks += 1
+        steps = [int(other[0]) for other in every]
+        if len(set(steps)) > 1:
+            raise BoxLost(f"the boxes are at different steps {steps} (box by box): they "
+                          "resumed from different checkpoints")
+        bad = sorted({int(i) - 1 for other in every for i in torch.nonzero(other != mine)})
         if bad:
             raise BoxLost(f"the replicas differ at step {t} in layers {bad}: box "
                           f"{self.cfg.node_rank}'s checksums are not every box's")
