@@ -6,6 +6,7 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -192,6 +193,10 @@ class ServerConfig:
     keep_checkpoints: int = 1
     """Checkpoints kept under --server-save: the newest K (older ones are removed once a newer
     one is complete)."""
+    model_options: str = ""
+    """The job's model options as a JSON map (l2l-launch gives its --model options), opaque to
+    the EPS: recorded in each checkpoint (state.json "model"), so that l2l-export needs no
+    model options; empty: those of the checkpoint loaded, if it has them."""
     exit_when_done: bool = False
     """Exit once all world_size workers said Bye(done=True) and the last updates are in."""
     trace: str = ""
@@ -228,12 +233,21 @@ class ServerConfig:
             raise ValueError("CURVE needs both curve_secret_key and curve_clients")
         if self.run_id and not is_run_id(self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
+        if self.model_options and not isinstance(self.model_record, dict):
+            raise ValueError("model_options must be a JSON map")
         b = self.boxes
         if b.nodes > 1 and not (is_loopback_host(b.master_addr) or self.insecure):
             raise ValueError(f"--master-addr {b.master_addr} (not loopback): the boxes' gloo "
                              "group has no authentication, anyone who reaches its ports could "
                              "join or feed it; on a private network between the boxes give "
                              "--insecure to allow it")
+
+    @property
+    def model_record(self) -> dict | None:
+        try:
+            return json.loads(self.model_options) if self.model_options else None
+        except ValueError:
+            return None
 
     @property
     def compute_dtype(self) -> str:

@@ -226,7 +226,7 @@ class EpsCore:
         return self._break(f"rank {rank} left in the middle of step {step} ({len(pushed)} "
                            "of its layers pushed) and this server keeps no previous versions "
                            "(--recovery), so no replacement can redo its part: the job cannot "
-                           "finish; restart it from its last checkpoint", level)
+                           f"finish; {self.saves.resume_hint()}", level)
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
         peer = self.peers.get(identity)
@@ -251,8 +251,8 @@ class EpsCore:
             raise RequestError("bad_request", f"rank {rank} cannot redo step {step} exactly: "
                                "its predecessor pushed layers of it, which may be updated while "
                                "they are read again, and this server keeps no previous "
-                               "versions (start it with --recovery); restart the job from its "
-                               "last checkpoint")
+                               "versions (start it with --recovery); "
+                               f"{self.saves.resume_hint('the job')}")
         init_layers = ()
         if rank == self.initialiser:  # a restarted initialiser finishes the job
             init_layers = tuple(i for i, v in enumerate(self.store.versions)

@@ -76,6 +76,7 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
         core.store.publish(layer)
         core.store.set_version(layer, step)
     core.scheduler.loaded(loaded.path, step, loaded.state)
+    core.saves.last = (loaded.path, step)  # what a failure says to restart from
     log.info("resumed from %s at step %d", loaded.path, step)
     return core
 

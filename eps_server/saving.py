@@ -37,10 +37,18 @@ class SaveOutcomes:
     def __init__(self, stats: EpsStats, notify: Callable[[object], None]):
         self.stats, self.notify = stats, notify
         self._failing = 0  # failures since the last checkpoint written
+        self.last: tuple[str, int] | None = None  # (where, step) of the last written or loaded
+
+    def resume_hint(self, what: str = "it") -> str:
+        """What a failure message says to do next: ``--load`` the last checkpoint, if any."""
+        if self.last is None:
+            return f"there is no checkpoint to restart {what} from (--server-save)"
+        return f"restart {what} with --load {self.last[0]} (its checkpoint of step {self.last[1]})"
 
     def written(self, step: int, path: str, final: bool = False) -> None:
         self.stats.checkpoints_written += 1
         self.stats.last_checkpoint_step = step
+        self.last = (path, step)
         what = "final checkpoint" if final else "checkpoint"
         if self._failing:
             log.warning("%s of step %d written to %s, after %d that failed", what, step, path,

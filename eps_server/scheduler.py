@@ -113,6 +113,7 @@ class UpdateScheduler:
         self._writing = False
         self._last_saved: dict[str, tuple] = {}  # root -> (step, settings) last written there
         self._last_step = time.perf_counter()
+        self.model = cfg.model_record  # the job's model options, opaque: for l2l-export
 
     # -- updates -----------------------------------------------------------------------
 
@@ -339,6 +340,7 @@ class UpdateScheduler:
         """Resumed from checkpoint ``directory`` at ``step``: if it is its root's latest, a
         final checkpoint of that step with the same settings there would only repeat it (and
         prune it). (An older one loaded is written again: it becomes the latest.)"""
+        self.model = self.model if self.model is not None else state.get("model")
         root = os.path.dirname(os.path.abspath(directory))
         try:
             if os.path.realpath(layout_on_disk.resolve(root)) != os.path.realpath(directory):
@@ -349,8 +351,9 @@ class UpdateScheduler:
                                                    for k in self.checkpoint_extra()}))
 
     def checkpoint_extra(self) -> dict:
-        return {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
-                "precision": self.cfg.precision, "loss_scaler": self.scaler.state()}
+        extra = {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
+                 "precision": self.cfg.precision, "loss_scaler": self.scaler.state()}
+        return extra if self.model is None else {**extra, "model": self.model}
 
     def final_checkpoint(self, path: str) -> bool | None:
         """At exit, with the engines stopped: write the last state, unless a step is half
@@ -358,8 +361,8 @@ class UpdateScheduler:
         was nothing to write; raises OSError if the OS refused it."""
         if not self.settled() or self.rewriting:
             log.warning("exiting mid-step (layer versions %d..%d, %d updates pending): not "
-                        "saving a mixed state; the last checkpoint stands", min(self.versions),
-                        max(self.versions), len(self.pending))
+                        "saving a mixed state (an earlier checkpoint, if any, stands)",
+                        min(self.versions), max(self.versions), len(self.pending))
             return None
         if self._last_saved.get(os.path.abspath(path)) == (
                 self.store.step, _settings(self.checkpoint_extra())):

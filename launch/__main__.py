@@ -21,12 +21,14 @@ from eps_server.config import ServerArgs
 from protocol import cli
 from protocol.lifecycle import REFUSED, skip_exit_collections
 from protocol.trace import merge
+from worker.config import input_problems
 
-from .config import LaunchArgs
+from .config import LaunchArgs, LaunchConfig
 from .console import Console, say, table
 from .launcher import READY_TIMEOUT, Launcher
+from .results import resume_hint
 from .roles import run_role, server_config, under_torchrun, worker_args
-from .rundir import private_run_dir
+from .rundir import private_run_dir, publish_endpoint, withdraw_endpoint
 
 
 def build(args: LaunchArgs) -> Launcher:
@@ -54,9 +56,11 @@ def build(args: LaunchArgs) -> Launcher:
     console = Console(args.worker.steps, logs, verbose=a.verbose, quiet=a.quiet,
                       every=a.log_every)
     cli.write_file(args, os.path.join(logs, "config.json"))  # the job as resolved
-    if not a.quiet:  # the socket is private: say where it is
+    publish_endpoint(logs, endpoint)  # the socket is private: l2l-ctl finds it there
+    if not a.quiet:
+        where = "" if a.runs_dir == LaunchConfig.runs_dir else f" --runs-dir {a.runs_dir}"
         console.note(f"l2l-launch: run {run_id}, logs in {logs}; watch it with: l2l-ctl "
-                     f"--endpoint {endpoint} status")
+                     f"status --run {run_id}{where}")
     return Launcher(server_argv, workers, run_id, run_dir, args.worker.steps, console,
                     max_restarts=a.max_restarts,
                     checkpoints=os.path.abspath(server.save) if server.save else "",
@@ -148,13 +152,29 @@ def main(argv: list[str] | None = None) -> int:
             return run_role(args)
         finally:
             skip_exit_collections()
+    problems = input_problems(args.model, args.data) or [output_problem(args)]
+    if any(problems):  # found now, once: not by each worker after its start-up, or at the end
+        for problem in problems:
+            print(f"l2l-launch: {problem}", file=sys.stderr)
+        return REFUSED
+    return train(args)[0]
+
+
+def output_problem(args: LaunchArgs) -> str:
+    """Why the job's outputs (--summary-json, --save) cannot be written, or ""."""
     for option, path in (("--summary-json", args.launch.summary_json),
                          ("--save", args.launch.save)):
         problem = (unwritable(path) if not os.path.isdir(path) else
                    "" if os.access(path, os.W_OK) else "not writable")  # a model's directory
-        if problem:  # found now, not after the training
-            print(f"l2l-launch: {option} {path}: {problem}", file=sys.stderr)
-            return REFUSED
+        if problem:
+            return f"{option} {path}: {problem}"
+    return ""
+
+
+def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
+    """The whole job on this box (--role all), as l2l-launch runs it (the Python API too,
+    l2l/api.py): build, run, summarize, write the summaries, say the result. Returns the exit
+    status, the summary and the launcher (its console has the children's last errors)."""
     launcher = build(args)
     t0 = time.perf_counter()
     try:
@@ -165,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             merge([os.path.join(launcher.run_dir, p) for p in parts], args.launch.trace)
     finally:
         launcher.cleanup()
+        withdraw_endpoint(launcher.console.log_dir)
     logs, failed = launcher.console.log_dir, code != 0
     for path in (os.path.join(logs, "summary.json"), args.launch.summary_json):
         if path:  # written before anything is printed: a closed stdout cannot lose it
@@ -188,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['samples_per_sec']:,.1f} samples/s, peak worker memory "
             f"{peak / 2**20:.0f} MiB\n" + table(summary_rows(summary, logs), "summary"))
     elif failed:
-        say(f"l2l-launch: failed: {launcher.failure} (logs: {logs})", sys.stderr)
+        say(f"l2l-launch: failed: {launcher.failure} (logs: {logs})"
+            f"{resume_hint(launcher.checkpoints)}", sys.stderr)
         if args.launch.quiet:  # the children's errors were not shown: their last ones
             for name, line in launcher.console.errors.items():
                 say(f"  [{name}] {line}", sys.stderr)
-    return code
+    return code, summary, launcher
 
 
 def unwritable(path: str) -> str:

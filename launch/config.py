@@ -8,13 +8,13 @@ from typing import Literal
 
 from eps_server.config import ServerConfig
 from protocol.shm import is_run_id
-from worker.config import DataConfig, ModelConfig, WorkerConfig
+from worker.config import DataConfig, ModelConfig, WorkerConfig, check_save
 
 # Set by the launcher for each child, so not options of its own.
 PER_WORKER = ("endpoint", "rank", "world_size", "box", "boxes", "save", "summary_json", "trace",
               "events", "log_level")
 PER_SERVER = ("endpoint", "world_size", "run_id", "exit_when_done", "trace", "events",
-              "log_level")
+              "log_level", "model_options")
 
 
 @dataclass(kw_only=True)
@@ -36,20 +36,24 @@ class LaunchConfig:
     plan: bool = False
     """Print what the job needs (the EPS's shared memory: a container's shm_size) and exit."""
     endpoint: str = ""
-    """The EPS's endpoint; empty: a private ipc socket in a folder of its own (--role all; its
-    path is printed at the start, for l2l-ctl), else eps-server's default (ipc, per user)."""
+    """The EPS's endpoint; empty: a private ipc socket in a folder of its own (--role all;
+    kept in runs/<run id>/endpoint while the job runs, where l2l-ctl finds it), else
+    eps-server's default (ipc, per user)."""
     summary_json: str = ""
     """Write the run summary (losses, accuracy, throughput, peak memory, EPS stats) here;
     --role worker: each worker's own summary, {rank} in the name or -<rank> added."""
     save: str = ""
-    """Write the trained model here (safetensors, the assembled nn.Module's names)."""
+    """Write the trained model here: a built-in model or your own as one safetensors file (the
+    assembled nn.Module's names), an hf: model as a save_pretrained directory (config.json,
+    model.safetensors, tokenizer files) that from_pretrained loads."""
     trace: str = ""
     """Write one Chrome/Perfetto trace of all processes here (render it with
     python -m bench.timeline TRACE --png OUT)."""
     runs_dir: str = "runs"
     """Each job gets a directory here, runs/<run id>: the children's logs (eps.log, w0.log, ...),
-    the resolved job config (config.json) and the summary (summary.json); with --role, the
-    config and each worker's summary (worker-<rank>.json)."""
+    the resolved job config (config.json), the summary (summary.json) and, while it runs, its
+    EPS's endpoint (endpoint: l2l-ctl status finds the job by it); with --role, the config,
+    each worker's summary (worker-<rank>.json) and the EPS's endpoint."""
     verbose: bool = False
     """Show every line the children log (by default only their warnings and errors reach the
     console; all of it is in the run directory)."""
@@ -92,3 +96,6 @@ class LaunchArgs:
     data: DataConfig = field(default_factory=DataConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig, metadata={"omit": PER_WORKER})
     server: ServerConfig = field(default_factory=ServerConfig, metadata={"omit": PER_SERVER})
+
+    def __post_init__(self) -> None:
+        check_save(self.model, self.launch.save)

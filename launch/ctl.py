@@ -1,6 +1,6 @@
 """l2l-ctl: look at and steer a running eps-server.
 
-    l2l-ctl [--endpoint E] status [--watch] [--json]
+    l2l-ctl [--run ID | --endpoint E] status [--watch] [--json]
                                                   workers, layers, counters: a table (redrawn
                                                   every --interval s with --watch), or JSON
     l2l-ctl [--endpoint E] set lr=1e-4 clip_norm=1.0
@@ -9,6 +9,8 @@
     l2l-ctl cleanup [--dry-run]                   remove shared memory left by dead servers
     l2l-ctl keygen DIR NAME                       write a CURVE key pair (NAME.key, .key_secret)
 
+Without --endpoint it talks to the l2l-launch job running under --runs-dir (runs/<id>/endpoint,
+kept while the job runs): the only one, or --run ID's; else to eps-server's default endpoint.
 l2l-ctl says Hello as an observer: it never takes or evicts a worker's rank. Over tcp with
 CURVE, give --curve-server-key (the EPS's NAME.key) and --curve-key (this client's
 NAME.key_secret, whose public half is among the EPS's --curve-clients).
@@ -17,16 +19,19 @@ NAME.key_secret, whose public half is among the EPS's --curve-clients).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 from protocol import curve
+from protocol.cli import Parser
 from protocol.endpoints import default_endpoint
 from protocol.messages import Save, SetHyper
 from protocol.shm import orphaned, remove_orphans
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
+
+from .config import LaunchConfig
+from .rundir import running_jobs
 
 
 def parse_value(text: str):
@@ -39,11 +44,24 @@ def parse_value(text: str):
     return text
 
 
+def job_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """Which job: before the command, and after it (there a given one overrides)."""
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--endpoint", default=default(""),
+                   help="the EPS's endpoint (default: the l2l-launch job running under "
+                        f"--runs-dir, else {default_endpoint()})")
+    p.add_argument("--run", default=default(""), metavar="ID",
+                   help="the l2l-launch job with this run id (under --runs-dir)")
+    p.add_argument("--runs-dir", default=default(LaunchConfig.runs_dir),
+                   help="where l2l-launch keeps its jobs' run directories (default: "
+                        f"{LaunchConfig.runs_dir})")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="l2l-ctl", description=__doc__.split("\n")[0])
-    p.add_argument("--endpoint", default=default_endpoint(),
-                   help="the EPS's endpoint (l2l-launch prints its own at the start; default: "
-                        "%(default)s)")
+    p = Parser(prog="l2l-ctl", description=__doc__.split("\n")[0])
+    job_options(p)
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for a reply (default: %(default)s)")
     p.add_argument("--curve-server-key", default="", help="CURVE: the EPS's public key file")
@@ -59,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("changes", nargs="+", metavar="KEY=VALUE")
     v = sub.add_parser("save", help="write a checkpoint at the next step boundary")
     v.add_argument("path")
+    for command in (st, s, v):
+        job_options(command, defaults=False)
     c = sub.add_parser("cleanup", help="remove this user's shared-memory regions whose "
                        "eps-server is gone (a live server's regions are never touched)")
     c.add_argument("--dry-run", action="store_true", help="only list them")
@@ -78,13 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         public, secret = curve.generate(a.dir, a.name)
         print(json.dumps({"public": public, "secret": secret}, indent=1))
         return 0
-    sock = a.endpoint[len("ipc://"):] if a.endpoint.startswith("ipc://") else None
+    job = "" if a.endpoint else find_job(p, a.runs_dir, a.run)
+    endpoint = a.endpoint or job or default_endpoint()
+    sock = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
     if sock is not None and not os.path.exists(sock):  # else: 10 s, then "no reply"
-        print(f"l2l-ctl: no eps-server listens on {a.endpoint} (no such socket file); give "
-              "its --endpoint", file=sys.stderr)
+        none = "" if a.endpoint or job else f"no l2l-launch job runs under {a.runs_dir}/, and "
+        print(f"l2l-ctl: {none}no eps-server listens on {endpoint} (no such socket file); "
+              "give its --endpoint", file=sys.stderr)
         return 1
     try:
-        client = EpsClient(a.endpoint, timeout=a.timeout,
+        client = EpsClient(endpoint, timeout=a.timeout,
                            curve=curve.client_keys(a.curve_server_key, a.curve_key))
     except ValueError as e:
         print(f"l2l-ctl: {e}", file=sys.stderr)
@@ -96,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             watch(client, a.interval, a.json)
             out = None
         elif a.command == "status":
+            from .status import as_json, render, show
+
             r = client.status()
             if not a.json:
-                from .status import render, show
                 show(render(r))
                 out = None
             else:
@@ -126,11 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def as_json(r) -> dict:
-    return {"run_id": r.run_id, "step": r.step, "world_size": r.world_size,
-            "ranks": list(r.ranks), "versions": list(r.versions), "stats": r.stats,
-            "workers": [dataclasses.asdict(w) for w in r.workers],
-            "updated_ms": list(r.updated_ms)}
+def find_job(p: argparse.ArgumentParser, runs_dir: str, run: str) -> str:
+    """The endpoint of the l2l-launch job running under ``runs_dir`` (``run``'s, or the only
+    one), or "" if none runs; a usage error where that is ambiguous."""
+    jobs = running_jobs(runs_dir)
+    if run and run not in jobs:
+        p.error(f"no job {run} runs under {runs_dir}/ (running: {', '.join(jobs) or 'none'})")
+    if run or len(jobs) == 1:
+        return jobs[run or next(iter(jobs))]
+    if jobs:
+        p.error(f"{len(jobs)} jobs run under {runs_dir}/: {', '.join(jobs)}; pick one with "
+                "--run ID")
+    return ""
 
 
 def cleanup(dry_run: bool) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from protocol import events
+from protocol.checkpoints import latest
 
 
 def step_row(step: int, parts: list[events.StepDone], boxes: int = 1) -> dict:
@@ -26,6 +27,14 @@ def eval_result(step: int, parts: list[events.EvalDone]) -> dict:
     loss = sum(p.loss_sum for p in parts) / count
     return {"step": step, "loss": loss, "accuracy": sum(p.correct for p in parts) / count,
             "perplexity": math.exp(min(loss, 50.0)), "count": count}
+
+
+def resume_hint(root: str) -> str:
+    """The end of a failed job's last line: the latest checkpoint under its --server-save
+    ``root``, to go on from with --load; "" if there is none."""
+    found = latest(root) if root else None
+    return (f"; its latest checkpoint is step {found[1]}: go on from there with --load {root}"
+            if found else "")
 
 
 def checkpoint_failure(ev, policy: str) -> str:

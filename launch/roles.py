@@ -4,6 +4,7 @@ The children of ``--role all`` get their configs from the same two functions."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from dataclasses import replace
@@ -14,17 +15,21 @@ from protocol.checkpoints import is_root
 from worker.config import WorkerArgs
 
 from .config import LaunchArgs
+from .rundir import publish_endpoint, withdraw_endpoint
 
 
 def server_config(args: LaunchArgs, endpoint: str, run_id: str, trace: str = "") -> ServerConfig:
     """The EPS of this job: world size from --workers, recovery on with --max-restarts, and
     (--server-threads 0) the cores its workers' --threads leave (the workers of a container
-    job share the box as well)."""
-    a = args.launch
+    job share the box as well). It records the model options in its checkpoints, for
+    l2l-export (an hf: model's directory as an absolute path: export may run elsewhere)."""
+    a, model = args.launch, args.model
     threads = args.server.threads or max(1, available_cores() - a.workers * args.worker.threads)
+    if model.model.startswith("hf:"):
+        model = replace(model, model="hf:" + os.path.abspath(model.model[3:]))
     return replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
                    exit_when_done=True, recovery=args.server.recovery or a.max_restarts > 0,
-                   trace=trace, threads=threads)
+                   trace=trace, threads=threads, model_options=json.dumps(cli.to_dict(model)))
 
 
 def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,
@@ -71,7 +76,11 @@ def run_role(args: LaunchArgs) -> int:
             # no checkpoint, the run started again from step 0 and pruned it).
             cfg = replace(cfg, load=cfg.save)
         cli.write_file(args, os.path.join(run_dir, "config.json"))  # the job as resolved
-        return run(cfg)
+        publish_endpoint(run_dir, cfg.endpoint)  # for l2l-ctl status in this container
+        try:
+            return run(cfg)
+        finally:
+            withdraw_endpoint(run_dir)
     from worker.__main__ import run
 
     # One summary per worker (no launcher sums them up here): --summary-json with {rank} in

@@ -2,10 +2,14 @@
 the workers' summaries, removed when the launcher ends. A launcher that was killed
 (SIGKILL) cannot remove its own: the next launcher removes every one whose launcher is gone.
 Each holds a lock file its launcher keeps locked (flock) for its life, which the kernel lets
-go when the process dies: a pid would not do across PID namespaces sharing /tmp."""
+go when the process dies: a pid would not do across PID namespaces sharing /tmp.
+
+The job's endpoint is kept in its (public) ``runs/<run id>/endpoint`` while it runs, locked the
+same way, so that ``l2l-ctl status`` finds a running job without being told its endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import os
@@ -14,7 +18,9 @@ import tempfile
 
 PREFIX = "l2l-run-"
 LOCK = "launcher.lock"
+ENDPOINT = "endpoint"
 _held: list[int] = []  # this process's run directories' locks (open for its life)
+_published: dict[str, int] = {}  # endpoint file -> its lock, held while the job runs
 
 
 def base_dir() -> str:
@@ -33,6 +39,45 @@ def private_run_dir() -> str:
     os.rename(os.path.join(path, LOCK + ".new"), os.path.join(path, LOCK))
     _held.append(fd)
     return path
+
+
+def publish_endpoint(log_dir: str, endpoint: str) -> None:
+    """Write ``endpoint`` to ``log_dir``/endpoint, locked until ``withdraw_endpoint`` (or this
+    process's end: a file whose lock is free was left by a launcher that was killed)."""
+    path = os.path.join(log_dir, ENDPOINT)
+    os.makedirs(log_dir, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.new"  # locked before it is seen (as the run directory's lock)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(OSError):  # a file system without locks: listed as running
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{endpoint}\n".encode())
+    os.rename(tmp, path)
+    _published[path] = fd
+
+
+def withdraw_endpoint(log_dir: str) -> None:
+    fd = _published.pop(os.path.join(log_dir, ENDPOINT), None)
+    if fd is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(log_dir, ENDPOINT))
+        os.close(fd)
+
+
+def running_jobs(runs_dir: str) -> dict[str, str]:
+    """Run id -> endpoint of each job running under ``runs_dir`` (its endpoint file locked)."""
+    jobs = {}
+    for path in sorted(glob.glob(os.path.join(glob.escape(runs_dir), "*", ENDPOINT))):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: its launcher is gone
+        except OSError:  # held by its launcher (or no locks there: cannot tell)
+            jobs[os.path.basename(os.path.dirname(path))] = os.read(fd, 4096).decode().strip()
+        finally:
+            os.close(fd)
+    return jobs
 
 
 def remove_abandoned() -> list[str]:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -14,6 +15,14 @@ from rich.live import Live
 from rich.table import Table
 
 MAX_LAYER_ROWS = 24  # the rest are summarised in one line
+
+
+def as_json(r) -> dict:
+    """A StatusReply as plain JSON values (--json)."""
+    return {"run_id": r.run_id, "step": r.step, "world_size": r.world_size,
+            "ranks": list(r.ranks), "versions": list(r.versions), "stats": r.stats,
+            "workers": [dataclasses.asdict(w) for w in r.workers],
+            "updated_ms": list(r.updated_ms)}
 
 
 def render(r) -> Group:
@@ -68,16 +77,15 @@ def show(renderable) -> None:
     console.print(renderable)
 
 
-def watch(client, interval: float, as_json: bool) -> None:
-    """Redraw every ``interval`` s until Ctrl-C (``as_json``: one JSON line per poll)."""
-    redraw = not as_json and sys.stdout.isatty()  # else (a file, a pipe): one table a poll
+def watch(client, interval: float, json_lines: bool) -> None:
+    """Redraw every ``interval`` s until Ctrl-C (``json_lines``: one JSON line per poll)."""
+    redraw = not json_lines and sys.stdout.isatty()  # else (a file, a pipe): one table a poll
     try:
         with Live(auto_refresh=False) if redraw else contextlib.nullcontext() as live:
             while True:
                 r = client.status()
-                if as_json:
-                    from .ctl import as_json as to_dict
-                    print(json.dumps(to_dict(r)), flush=True)
+                if json_lines:
+                    print(json.dumps(as_json(r)), flush=True)
                 elif redraw:
                     live.update(render(r), refresh=True)
                 else:

@@ -26,6 +26,7 @@ import argparse
 import ast
 import copy
 import dataclasses
+import difflib
 import inspect
 import json
 import textwrap
@@ -33,7 +34,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 
 class ConfigError(ValueError):
@@ -153,7 +154,9 @@ def from_dict(cls: type, data: dict, path: str = "", omit: tuple[str, ...] = ())
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}.{unknown[0]}" if path else str(unknown[0])
-        raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(fields))})")
+        near = difflib.get_close_matches(str(unknown[0]), fields, n=1)
+        raise ConfigError(f"{where}: unknown key{f'; did you mean {near[0]}?' if near else ''} "
+                          f"(known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in data.items():
         f, tp, where = fields[name], _hints(cls)[name], f"{path}.{name}" if path else name
@@ -219,9 +222,32 @@ def write_file(cfg: Any, path: str) -> None:
 # ----------------------------------------------------------------------------- argparse
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line, with the nearest flag for a misspelt one ("did you mean
+    --layers?"), and a pointer to --help: not a page of usage above the line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = message.partition("unrecognized arguments: ")[2].split()
+        flags = [f for p in _parsers(self) for a in p._actions for f in a.option_strings]
+        unknown = [f.partition("=")[0] for f in unknown if f.startswith("--")]
+        near = [(m[0], f) for f in unknown for m in [difflib.get_close_matches(f, flags, n=1)]
+                if m]
+        if len(near) == 1:
+            message += f"; did you mean {near[0][0]}?"
+        elif near:
+            message += "; did you mean " + ", ".join(f"{m} for {f}" for m, f in near) + "?"
+        self.exit(2, f"{self.prog}: error: {message}\n(options: {self.prog} --help)\n")
+
+
+def _parsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``p`` and its subcommands' parsers."""
+    subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    return [p, *(q for a in subs for sub in a.choices.values() for q in _parsers(sub))]
+
+
 def parser(root: type, prog: str, description: str = "") -> argparse.ArgumentParser:
     """An argparse parser with one flag per option of ``root`` plus ``--config``."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = Parser(prog=prog, description=description)
     p.add_argument("--config", default="", metavar="FILE",
                    help="read options from this JSON/YAML file (sections as in the config "
                         "tree); flags given here override it")
@@ -256,14 +282,21 @@ def _help(opt: Option) -> str:
     return f"{text} (default: {shown})".strip()
 
 
-def parse(root: type, argv: list[str] | None, prog: str, description: str = "") -> Any:
+def parse(root: type, argv: list[str] | None, prog: str, description: str = "", *,
+          other_sections: bool = False, under=None) -> Any:
     """Defaults, then ``--config FILE``, then flags; returns a ``root`` instance. Bad values
-    exit with a usage error naming the option."""
+    exit with a usage error naming the option. ``other_sections``: a config file's sections
+    that ``root`` has not are left out (a tool that needs one part of a job's file: l2l-export
+    its model); ``under(data)``: maps to put under the file's and the flags' ``data``
+    (l2l-export: the model options its checkpoint recorded)."""
     p = parser(root, prog, description)
     ns = vars(p.parse_args(argv))
     try:
         data = load_file(ns.pop("config")) if ns.get("config") else {}
         ns.pop("config", None)
+        if other_sections:
+            known = {f.name for f in dataclasses.fields(root)}
+            data = {k: v for k, v in data.items() if k in known}
         for dest, value in ns.items():
             node = data
             *parents, leaf = dest.split("/")
@@ -272,6 +305,15 @@ def parse(root: type, argv: list[str] | None, prog: str, description: str = "") 
                 if not isinstance(node, dict):
                     raise ConfigError(f"{key}: expected a map")
             node[leaf] = value
-        return from_dict(root, data)
+        return from_dict(root, _merge(under(data), data) if under else data)
     except (ConfigError, OSError) as e:
         p.error(str(e))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s values in it, map by map."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out

@@ -4,24 +4,34 @@ loadable (with real eps-server processes and SIGKILL)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eps_server import checkpoint
 from eps_server.config import OptimizerConfig, ServerConfig
 from eps_server.lobby import load_core
 from eps_server.optimizers import STATE_DTYPES
+from launch.config import LaunchArgs
+from protocol import cli
 from protocol.checkpoints import LATEST, resolve
+from protocol.messages import Ack, Save
 from protocol.tensors import views
 
+from .helpers import ENV, SMALL
 from .test_core import Harness, grad_of
+
+LAUNCH = [sys.executable, "-m", "launch", "--quiet"]
+EXPORT = [sys.executable, "-m", "worker.export"]
 
 
 @pytest.fixture
@@ -272,3 +282,69 @@ def test_a_save_the_os_refuses_is_an_error_reply_and_leaves_the_last_checkpoint(
     assert isinstance(h.take(0, 32).msg, Ack)
     assert resolve(str(root)) != good and checkpoint.read_meta(str(root)).state["step"] == 1
     assert h.core.stats.checkpoints_written == 1 and h.core.stats.last_checkpoint_step == 1
+
+
+def test_a_checkpoint_records_the_job_model_options_and_a_resumed_eps_keeps_them(tmp_path):
+    """The EPS keeps the job's model options (l2l-launch gives them) opaque, in each
+    checkpoint's state.json, for l2l-export; one resumed without them keeps the loaded
+    checkpoint's. What a failure says to restart from is the checkpoint written or loaded."""
+    model = {"model": "gpt", "layers": 2}
+    h = Harness(1, model_options=json.dumps(model))
+    try:
+        h.bootstrap()
+        assert "no checkpoint to restart it from" in h.core.saves.resume_hint()
+        h.send(0, Save(req_id=30, path=str(tmp_path / "ck")))
+        h.poll()
+        assert isinstance(h.take(0, 30).msg, Ack)
+        assert h.core.saves.resume_hint() == (f"restart it with --load {tmp_path / 'ck'} (its "
+                                              "checkpoint of step 0)")
+    finally:
+        h.close()
+    assert checkpoint.read_meta(str(tmp_path / "ck")).state["model"] == model
+    core = load_core(replace(h.cfg, model_options=""), str(tmp_path / "ck"), "x")
+    try:
+        assert core.scheduler.checkpoint_extra()["model"] == model
+        assert f"--load {resolve(str(tmp_path / 'ck'))} (its" in core.saves.resume_hint()
+    finally:
+        core.close(final_save=False)
+    with pytest.raises(ValueError, match="model_options must be a JSON map"):
+        ServerConfig(model_options="[1]")
+
+
+def test_l2l_export_needs_no_model_options_for_a_launched_job(tmp_path):
+    """A checkpoint of an l2l-launch job records its model options: l2l-export needs none (it
+    said "6 layers vs 5" without them); given ones override them."""
+    p = subprocess.run([*LAUNCH, "--model", "gpt", *SMALL, "--steps", "2", "--server-save",
+                        "ckpt", "--save", "m.safetensors"], env=ENV, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    export = subprocess.run([*EXPORT, "ckpt", "x.safetensors"],  # --checkpoint, --out
+                            env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    saved, exported = (load_file(str(tmp_path / f)) for f in ("m.safetensors", "x.safetensors"))
+    assert saved.keys() == exported.keys()
+    assert all(torch.equal(saved[k], exported[k]) for k in saved)
+    wrong = subprocess.run([*EXPORT, "--checkpoint", "ckpt", "--out", "y", "--layers", "3"],
+                           env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 1 and "do not describe the checkpoint's model" in wrong.stderr
+
+
+def test_l2l_export_reads_the_model_from_a_job_file(cluster, tmp_path):
+    """A checkpoint whose EPS was not told the model (started by hand): l2l-export says how to
+    give it, and takes l2l-launch's job file (runs/<id>/config.json) with --config, its other
+    sections ignored."""
+    model = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len",
+             "16", "--vocab", "64"]
+    cluster.run_job(1, *model, *SMALL[-4:], "--steps", "1",
+                    server_args=("--server-save", str(tmp_path / "ckpt")))
+    bare = subprocess.run([*EXPORT, "--checkpoint", "ckpt", "--out", "x.safetensors"], env=ENV,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 1, bare.stderr
+    assert f"--config runs/{cluster.run_id}/config.json" in bare.stderr, bare.stderr
+    job = cli.parse(LaunchArgs, [*model, "--workers", "2", "--data", "d.txt", "--lr", "0.5"], "t")
+    cli.write_file(job, str(tmp_path / "config.json"))
+    p = subprocess.run([*EXPORT, "--checkpoint", "ckpt", "--out", "x.safetensors", "--config",
+                        "config.json"], env=ENV, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "x.safetensors").exists()

@@ -69,7 +69,7 @@ def test_config_file_then_flags(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ({"model": {"hiden": 3}}, "model.hiden: unknown key"),
+    ({"model": {"hiden": 3}}, "model.hiden: unknown key; did you mean hidden?"),
     ({"model": {"layers": "three"}}, "model.layers: expected int"),
     ({"server": {"optimizer": {"lr": "fast"}}}, "server.optimizer.lr: expected float"),
     ({"worker": {"rank": 1}}, "worker.rank: unknown key"),  # set per child by the launcher
@@ -84,6 +84,39 @@ def test_bad_config_is_refused_with_the_keys_path(tmp_path, capsys, content, mes
         cli.parse(LaunchArgs, ["--config", str(path)], "l2l-launch")
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--lyers", "3"], "unrecognized arguments: --lyers 3; did you mean --layers?"),
+    (["--lr=0.1", "--stesp", "2", "--wamrup-steps=1"],
+     "did you mean --steps for --stesp, --warmup-steps for --wamrup-steps?"),
+    (["--zzz"], "unrecognized arguments: --zzz"),
+    (["--layers", "x"], "argument --layers: invalid int value: 'x'"),
+])
+def test_a_usage_error_is_one_line_first_with_the_nearest_flag(capsys, argv, said):
+    """Not ~55 lines of usage above the error: the error, then where the options are."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse(LaunchArgs, argv, "l2l-launch")
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("l2l-launch: error: ") and err[0].endswith(said), err
+    assert err[1:] == ["(options: l2l-launch --help)"]
+
+
+def test_an_hf_model_is_not_saved_to_a_safetensors_name(capsys):
+    """An hf: model saves a save_pretrained directory: --save m.safetensors quietly made a
+    directory of that name; refused before training, and --help says what each kind writes."""
+    for root, prog in ((LaunchArgs, "l2l-launch"), (WorkerArgs, "l2l-worker")):
+        with pytest.raises(SystemExit) as e:
+            cli.parse(root, ["--model", "hf:m", "--save", "out/m.safetensors"], prog)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--save out/m.safetensors: a Hugging Face model (--model hf:...) is saved as a " \
+               "save_pretrained directory" in err and "e.g. --save out/m\n" in err, err
+        assert cli.parse(root, ["--model", "hf:m", "--save", "out/m"], prog).model.model == "hf:m"
+        assert cli.parse(root, ["--save", "m.safetensors"], prog)  # a built-in model: a file
+        text = " ".join(cli.parser(root, prog).format_help().split())
+        assert "an hf: model as a save_pretrained directory" in text, text
 
 
 def test_typed_configs_round_trip(tmp_path):
@@ -154,6 +187,6 @@ def test_package_boundaries():
 
 
 def test_no_module_over_400_lines():
-    for package in ("protocol", "eps_server", "worker", "launch", "bench"):
+    for package in ("protocol", "eps_server", "worker", "launch", "bench", "l2l"):
         for f in (ROOT / package).rglob("*.py"):
             assert len(f.read_text().splitlines()) <= 400, f

@@ -88,10 +88,11 @@ def test_a_job_keeps_its_logs_config_and_summary_in_its_run_directory(tmp_path):
     run = tmp_path / "runs" / s["run_id"]
     assert "listening on" in (run / "eps.log").read_text()
     assert (f"l2l-launch: run {s['run_id']}, logs in runs/{s['run_id']}; watch it with: "
-            f"l2l-ctl --endpoint ipc://{tmp_path}/e.sock status") in p.stderr  # the socket
+            f"l2l-ctl status --run {s['run_id']}") in p.stderr  # it finds the socket there
     assert "hello" in (run / "eps.log").read_text().lower()
     assert {"w0.log", "w1.log", "config.json", "summary.json"} <= {f.name for f in
                                                                   run.iterdir()}
+    assert not (run / "endpoint").exists()  # kept while the job ran
     assert json.loads((run / "config.json").read_text())["worker"]["steps"] == 6
     assert json.loads((run / "summary.json").read_text())["losses"] == s["losses"]
     assert "EPS update per layer" in p.stdout and f"runs/{s['run_id']}" in p.stdout

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from protocol.lifecycle import REFUSED
 from protocol.shm import list_regions
 from worker.config import ModelConfig
 from worker.data import MarkovTask
@@ -347,6 +348,18 @@ def test_the_eps_gets_the_cores_its_workers_leave(monkeypatch):
     assert ServerConfig(threads=5).math_threads == 5
 
 
+def test_the_eps_is_given_the_model_options_for_its_checkpoints():
+    """What l2l-export builds the model from: an hf: directory as an absolute path (the export
+    may run from elsewhere)."""
+    from launch import roles
+    from launch.config import LaunchArgs
+    from protocol import cli
+
+    args = cli.parse(LaunchArgs, ["--model", "hf:rel/dir", "--seq-len", "8"], "l2l-launch")
+    record = roles.server_config(args, "ipc:///tmp/x.sock", "r").model_record
+    assert record["model"] == "hf:" + os.path.abspath("rel/dir") and record["seq_len"] == 8
+
+
 def test_a_cgroup_cpu_quota_limits_the_cores(tmp_path, monkeypatch):
     """docker --cpus sets a CPU quota, not an affinity mask: the EPS must not take every core
     of the host."""
@@ -467,3 +480,42 @@ def test_a_worker_the_eps_saw_exit_is_reported_by_its_exit_status(tmp_path, caps
     finally:
         job.stop_all()
         console.close()
+
+
+def test_a_missing_model_directory_or_data_file_is_refused_before_anything_starts(tmp_path):
+    """Each worker found a wrong --model hf:PATH or --data FILE after its start-up (6-10 s),
+    and each said so: the launcher says it once, before it starts anything, exit status 2."""
+    (tmp_path / "model").mkdir()
+    for model, said in (("hf:no/such", "--model hf:no/such: no such directory"),
+                        ("hf:model", "--model hf:model: no config.json in it")):
+        p = subprocess.run([*LAUNCH, "--workers", "2", "--model", model, "--data", "none.txt",
+                            *SMALL], env=ENV, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == REFUSED, p.stderr
+        lines = p.stderr.splitlines()
+        assert len(lines) == 2 and lines[0].startswith(f"l2l-launch: {said}"), lines
+        assert lines[1] == "l2l-launch: --data none.txt: no such file"
+    assert not (tmp_path / "runs").exists()  # no job was made
+
+
+def test_a_failed_job_names_the_checkpoint_to_go_on_from(tmp_path, reap):
+    """The EPS killed, no restarts: the launcher's failure line says which checkpoint to
+    --load."""
+    endpoint = f"ipc://{tmp_path}/eps.sock"
+    p = subprocess.Popen([*LAUNCH, "--endpoint", endpoint, "--steps", "100000", *SMALL,
+                          "--server-save", "ckpt", "--checkpoint-every", "1"], env=ENV,
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    reap.append(p)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ckpt" / "latest").exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.1)
+    [eps] = [pid for pid in processes_with(endpoint) if "eps_server" in open(
+        f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")]
+    os.kill(eps, signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    [line] = [x for x in err.splitlines() if x.startswith("l2l-launch: failed:")]
+    assert line.startswith("l2l-launch: failed: eps-server was killed by SIGKILL"), err
+    assert f"go on from there with --load {tmp_path / 'ckpt'}" in line, line

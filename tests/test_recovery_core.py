@@ -295,7 +295,10 @@ def test_a_rank_that_says_bye_mid_step_without_recovery_tells_the_others(make):
     h.poll()
     h.send(0, Fetch(req_id=9, layer=2, min_version=1))
     h.send(1, Bye(req_id=6, rank=1, done=False))  # it failed, and said so
-    assert "rank 1 left in the middle of step 0" in h.take(0, 9).msg.message
+    told = h.take(0, 9).msg.message
+    assert "rank 1 left in the middle of step 0" in told
+    # what to do next, without pointing at a checkpoint there is none of (a Ctrl-C said so)
+    assert "there is no checkpoint to restart it from" in told and "last checkpoint" not in told
     assert isinstance(h.take(1, 6).msg, Ack)
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .helpers import ENV, ROOT, SMALL
 
 CTL = [sys.executable, "-m", "launch.ctl"]
@@ -79,3 +81,65 @@ def test_status_shows_failed_checkpoints():
     text = checkpoints({"checkpoints_written": 3, "checkpoint_failures": 2,
                         "last_checkpoint_step": 4})
     assert text.startswith("checkpoints 3 written, last step 4") and "2 failed" in text
+
+
+def test_status_finds_the_launched_job_without_its_endpoint(tmp_path):
+    """l2l-launch keeps its (private) endpoint in runs/<id>/endpoint while the job runs:
+    l2l-ctl status finds the job there from the same directory, and the file is gone with
+    the job."""
+    p = subprocess.Popen([sys.executable, "-m", "launch", "--steps", "1000000", *SMALL],
+                         env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        note = p.stderr.readline()  # "l2l-launch: run ID, logs in ...; watch it with: ..."
+        run_id = note.split("run ", 1)[1].split(",")[0]
+        assert f"watch it with: l2l-ctl status --run {run_id}" in note, note
+        endpoint = tmp_path / "runs" / run_id / "endpoint"
+        assert endpoint.read_text().startswith("ipc://")
+        deadline = time.monotonic() + 120
+        while True:  # until the EPS answers
+            s = subprocess.run([*CTL, "status", "--json"], env=ENV, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+            if s.returncode == 0:
+                break
+            assert time.monotonic() < deadline and p.poll() is None, s.stderr
+            time.sleep(0.5)
+        assert json.loads(s.stdout)["run_id"] == run_id
+        by_id = subprocess.run([*CTL, "--run", run_id, "status", "--json"], env=ENV,
+                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert by_id.returncode == 0 and json.loads(by_id.stdout)["run_id"] == run_id
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    assert p.returncode == 130 and not endpoint.exists()
+    gone = subprocess.run([*CTL, "status"], env=ENV, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert gone.returncode == 1 and "no l2l-launch job runs under runs/" in gone.stderr
+
+
+def test_status_asks_which_job_when_several_run(tmp_path, capsys):
+    """Two jobs running (their endpoint files locked), one whose launcher was killed (its file
+    left, unlocked): l2l-ctl names the two and asks for --run; --run picks one."""
+    from launch import ctl
+    from launch.rundir import publish_endpoint, withdraw_endpoint
+
+    runs = tmp_path / "runs"
+    for run in ("a", "b"):
+        publish_endpoint(str(runs / run), f"ipc://{tmp_path}/{run}.sock")
+    (runs / "dead").mkdir()
+    (runs / "dead" / "endpoint").write_text(f"ipc://{tmp_path}/dead.sock\n")
+    try:
+        with pytest.raises(SystemExit) as e:
+            ctl.main(["--runs-dir", str(runs), "status"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"2 jobs run under {runs}/: a, b; pick one with --run" in err
+        assert err.count("\n") <= 2  # the error, not a page of usage
+        assert ctl.main(["status", "--runs-dir", str(runs), "--run", "b"]) == 1
+        assert f"no eps-server listens on ipc://{tmp_path}/b.sock" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            ctl.main(["--runs-dir", str(runs), "--run", "dead", "status"])
+        assert "no job dead runs under" in capsys.readouterr().err
+    finally:
+        for run in ("a", "b"):
+            withdraw_endpoint(str(runs / run))
+    assert not (runs / "a" / "endpoint").exists()

@@ -6,6 +6,7 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -189,7 +190,9 @@ class WorkerConfig:
     """Testing: RANK:STEP:POINT[:stop] makes rank RANK kill (or stop) itself at POINT of step
     STEP (F<l>, H<l>, B<l>: a visit of layer l; E: after the step); see worker/faults.py."""
     save: str = ""
-    """Rank 0 writes the trained model here (safetensors, the assembled nn.Module's names)."""
+    """Rank 0 writes the trained model here: a built-in model or your own as one safetensors
+    file (the assembled nn.Module's names), an hf: model as a save_pretrained directory
+    (config.json, model.safetensors, tokenizer files) that from_pretrained loads."""
     summary_json: str = ""
     """Write this worker's summary (losses, throughput, peak memory) here; {rank} in it is
     replaced by the rank (useful with --rank -1)."""
@@ -249,3 +252,35 @@ class WorkerArgs:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        check_save(self.model, self.worker.save)
+
+
+def check_save(model: ModelConfig, save: str) -> None:
+    """An hf: model is saved as a directory: ``--save NAME.safetensors`` would quietly make a
+    directory of that name."""
+    if save.endswith(".safetensors") and model.model.startswith("hf:"):
+        raise ValueError(f"--save {save}: a Hugging Face model (--model hf:...) is saved as a "
+                         "save_pretrained directory (config.json, model.safetensors, tokenizer "
+                         f"files); give a directory, e.g. --save {save[:-len('.safetensors')]}")
+
+
+def hf_dir_problem(path: str) -> str:
+    """Why ``path`` is no local save_pretrained directory (nothing is downloaded), or ""."""
+    if not os.path.isdir(path):
+        return (f"--model hf:{path}: no such directory (a local save_pretrained directory: "
+                "config.json, weights, tokenizer files)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"--model hf:{path}: no config.json in it (a save_pretrained directory is expected)"
+    return ""
+
+
+def input_problems(model: ModelConfig, data: DataConfig) -> list[str]:
+    """What is missing of the files a job reads, found before any process starts (each worker
+    would find it seconds later, after its start-up)."""
+    out = [hf_dir_problem(model.model[3:])] if model.model.startswith("hf:") else []
+    for option, path in (("--data", data.data), ("--eval-data", data.eval_data)):
+        if path and not os.path.isfile(path):
+            out.append(f"{option} {path}: no such file")
+    return [p for p in out if p]

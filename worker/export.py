@@ -2,10 +2,12 @@
 Face directory (``from_pretrained`` loads it) for an ``hf:`` model, else the assembled model's
 safetensors.
 
-    l2l-export --checkpoint CKPT --out DIR --model hf:SOURCE_DIR [--classes N]
+    l2l-export CKPT OUT [--config runs/<run id>/config.json] [--model ...]
 
-The model options must describe the checkpoint's model (its manifest must hash the same); the
-source directory gives the config and the tokenizer files.
+The model options come from the checkpoint (an EPS started by l2l-launch records them), then
+--config (a job file: l2l-launch's runs/<run id>/config.json; its other sections are ignored),
+then the flags; they must describe the checkpoint's model (its manifest must hash the same).
+An hf: model's source directory gives the config and the tokenizer files.
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
     with open(os.path.join(checkpoint, "manifest.json")) as f:
         saved = manifest_from_json(json.load(f))
     with open(os.path.join(checkpoint, "state.json")) as f:
-        step = int(json.load(f)["step"])
+        state = json.load(f)
+    step = int(state["step"])
     model = build_model(mcfg)
     manifest = model.manifest()
     if manifest.hash() != saved.hash():
-        raise ValueError(f"the model options do not describe the checkpoint's model: "
-                         f"{manifest_difference(saved, manifest) or 'manifests differ'}")
+        why = manifest_difference(saved, manifest) or "manifests differ"
+        if "model" not in state:  # written by an eps-server that was not given them
+            why += ("; the checkpoint does not record its model options: give them, or "
+                    f"--config runs/{state.get('run_id', '<run id>')}/config.json (its job's)")
+        raise ValueError(f"the model options do not describe the checkpoint's model: {why}")
     tensors = {}
     with safe_open(os.path.join(checkpoint, "master.safetensors"), framework="pt") as f:
         for plan in plan_layout(manifest).layers:
@@ -64,11 +70,28 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
     return step
 
 
+def recorded(given: dict) -> dict:
+    """The model options the checkpoint records, under those ``given`` (--config, flags)."""
+    try:
+        path = checkpoints.resolve(given["export"]["checkpoint"])
+        with open(os.path.join(path, "state.json")) as f:
+            model = json.load(f).get("model")
+    except (KeyError, TypeError, OSError, ValueError, AttributeError):
+        return {}  # no checkpoint given, or one export_checkpoint says is unreadable
+    return {"model": model} if isinstance(model, dict) else {}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = cli.parse(ExportArgs, argv, "l2l-export",
-                     " ".join(__doc__.split("\n\n")[0].split()))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = []  # CKPT OUT first: --checkpoint CKPT --out OUT
+    while argv and not argv[0].startswith("-") and len(given) < 4:
+        given += [("--checkpoint", "--out")[len(given) // 2], argv.pop(0)]
+    args = cli.parse(ExportArgs, given + argv, "l2l-export",
+                     " ".join(__doc__.split("\n\n")[0].split()), other_sections=True,
+                     under=recorded)
     if not args.export.checkpoint or not args.export.out:
-        print("l2l-export: --checkpoint and --out are required", file=sys.stderr)
+        print("l2l-export: give the checkpoint and where to write (CKPT OUT, or --checkpoint and "
+              "--out)", file=sys.stderr)
         return 2
     try:
         step = export_checkpoint(args.export.checkpoint, args.export.out, args.model)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import os
 
+from ...config import hf_dir_problem
 from ..base import LayeredModel
 from . import families
 from .checkpoint import HfCheckpoint, export
@@ -35,12 +35,9 @@ def load_config(path: str):
         raise ValueError("--model hf:... needs transformers: pip install -e '.[hf]'") from None
     # Nothing is downloaded: without this the library takes a missing directory for a hub
     # name and says it could not reach the hub.
-    if not os.path.isdir(path):
-        raise ValueError(f"--model hf:{path}: no such directory (a local save_pretrained "
-                         "directory: config.json, weights, tokenizer files)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"--model hf:{path}: no config.json in it (a save_pretrained "
-                         "directory is expected)")
+    problem = hf_dir_problem(path)
+    if problem:
+        raise ValueError(problem)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
