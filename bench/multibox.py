@@ -5,7 +5,7 @@ reductions (turn waits included: what the overlap must hide), and the EPS's host
 parameter on each box (replicate mode: every box holds everything).
 
 On this 2-core machine the boxes share the cores, so the ratio mixes the reduction's cost
-with contention; the paper estimate in the README uses the per-layer figures instead.
+with contention; docs/multibox.md estimates the overlap on real links from per-layer figures.
 """
 
 from __future__ import annotations
