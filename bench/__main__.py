@@ -16,7 +16,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bootstrap, engines, gpu, keep, load, memory, optimizer, scale, speed, states, transfer
+from . import (
+    bootstrap,
+    engines,
+    flood,
+    gpu,
+    keep,
+    load,
+    memory,
+    optimizer,
+    scale,
+    speed,
+    states,
+    transfer,
+)
 
 BENCHMARKS = {
     "throughput": (speed.add_args, speed.throughput),
@@ -33,6 +46,7 @@ BENCHMARKS = {
     "load": (load.add_args, load.load),
     "recovery": (speed.add_args, speed.recovery),
     "metrics": (speed.add_args, speed.metrics),
+    "flood": (flood.add_args, flood.flood),
     "gpu": (gpu.add_args, gpu.gpu),  # see bench/gpu.py; make gpu-check runs it with the tests
 }
 EXTRA = ("scale", "bootstrap", "gpu", "states")  # long, or needing a GPU: not in "all"

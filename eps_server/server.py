@@ -4,18 +4,22 @@ Receive -> decode -> ``core.handle`` -> send its replies. The core's engines fin
 their own threads and wake the loop, which sends what ``core.poll`` returns. A message that does
 not decode gets an Error reply (a Hello of another protocol version is told so) and never
 reaches the core. Until the first worker's Hello creates the model, the lobby answers.
+
+What takes time is not done on the loop, nor waited for by the other peers: a large body (a
+Hello's manifest) is decoded on a thread, and the lobby works on one; meanwhile that peer's next
+messages wait in its backlog, and everyone else's are served (see inbox.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import secrets
 import signal
 import threading
 import time
+from collections import deque
 
 import torch
 import zmq
@@ -34,6 +38,7 @@ from . import checkpoint, kernels, metrics
 from .boxes import CrossBox
 from .config import ServerConfig
 from .core import EpsCore
+from .inbox import Inbox, Throttled, large
 from .lobby import Lobby, load_core
 from .optimizers import STATE_DTYPES
 from .peers import version_text
@@ -43,31 +48,7 @@ from .stats import EpsStats
 log = logging.getLogger("eps_server")
 
 SETTLE_TIMEOUT = 60.0  # after the last Bye(done), wait this long for the last updates
-OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are decoded on a thread
 HWM = 1000  # messages queued per peer, each way (> the per-peer pending limit)
-
-
-class Throttled:
-    """Warnings a peer can cause at will (undecodable messages): at most ``burst`` lines per
-    ``window`` s, then a count of those left out (stats.bad_messages counts them all), so a
-    flood of garbage does not flood the log."""
-
-    def __init__(self, burst: int = 10, window: float = 10.0):
-        self.burst, self.window = burst, window
-        self.start, self.count, self.dropped = -math.inf, 0, 0  # a window opens at a warning
-
-    def warn(self, fmt: str, *args) -> None:
-        now = time.monotonic()
-        if now - self.start > self.window:
-            if self.dropped:
-                log.warning("%d more bad messages in %.0f s not logged", self.dropped,
-                            now - self.start)
-            self.start, self.count, self.dropped = now, 0, 0
-        if self.count < self.burst:
-            self.count += 1
-            log.warning(fmt, *args)
-        else:
-            self.dropped += 1
 
 
 class EpsServer:
@@ -89,6 +70,8 @@ class EpsServer:
         self._auth = None  # the CURVE authenticator (ZAP handler thread), if any
         self._metrics = None  # the Prometheus endpoint's HTTP server, if any
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
+        self._inbox = Inbox()  # the peers' backlogs, the decoder thread
+        self._readers: set[asyncio.Task] = set()  # the tasks reading the peers' backlogs
         self._bad_log = Throttled()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -157,9 +140,11 @@ class EpsServer:
         try:
             await self._stop.wait()
         finally:
-            receiver.cancel()
-            watchdog.cancel()
-            await asyncio.gather(receiver, watchdog, return_exceptions=True)
+            tasks = (receiver, watchdog, *self._readers)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._inbox.close()
             core, self.core = self.core, None  # taken on the loop: no poll touches it again
             if self._poller is not None:
                 await asyncio.gather(self._poller, return_exceptions=True)
@@ -218,10 +203,46 @@ class EpsServer:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
-                await self._send(await self._dispatch(frames[0].bytes, frames[1:]))
-                self._check_exit()
+                await self._take(frames[0].bytes, frames[1:])
             except Exception:  # a bug: never stop receiving because of one message
                 log.exception("internal error serving a message")
+
+    async def _take(self, identity: bytes, frames: list) -> None:
+        """Serve a message now, or have it read off the loop: a large body, or no model yet
+        (the lobby). Behind it, the peer's next ones wait in its backlog (a full one refuses
+        them as busy, unread); other peers are served meanwhile."""
+        backlog = self._inbox.backlogs.get(identity)
+        if backlog is None and self.core is not None and not large(frames):
+            await self._send(await self._dispatch(identity, frames))  # never waits here
+            self._check_exit()
+        elif backlog is None:
+            self._inbox.backlogs[identity] = deque((frames,))
+            reader = self._loop.create_task(self._read(identity))
+            self._readers.add(reader)
+            reader.add_done_callback(self._readers.discard)
+        elif not self._inbox.full(backlog):
+            backlog.append(frames)
+        else:
+            self.stats.messages += 1
+            self.stats.busy_refusals += 1
+            await self._send([Out(identity, Error(
+                req_id=codec.request_id(frames), code="busy", field="",
+                message=f"{len(backlog)} messages of this connection wait to be read; retry "
+                        "once they are answered"))])
+
+    async def _read(self, identity: bytes) -> None:
+        """Serve a peer's backlog in order (each stays in it while it is served)."""
+        backlog = self._inbox.backlogs[identity]
+        try:
+            while backlog:
+                try:
+                    await self._send(await self._dispatch(identity, backlog[0]))
+                    self._check_exit()
+                except Exception:  # a bug: the peer's next messages are still served
+                    log.exception("internal error serving a message")
+                backlog.popleft()
+        finally:
+            del self._inbox.backlogs[identity]
 
     async def _watch_peers(self) -> None:
         """Declare silent peers dead, a few times per heartbeat timeout; the launcher hears of
@@ -252,8 +273,7 @@ class EpsServer:
         self.stats.messages += 1
         key = curve.peer_key(frames) if self._auth is not None else b""
         try:  # only a Hello's body may be large: decoding it never stalls the loop
-            big = len(frames) > 1 and len(frames[1]) > OFF_LOOP_BYTES
-            msg, tensor_frames = (await asyncio.to_thread(codec.decode, frames) if big
+            msg, tensor_frames = (await self._decode_large(identity, frames) if large(frames)
                                   else codec.decode(frames))
         except codec.DecodeError as e:
             self.stats.bad_messages += 1
@@ -271,6 +291,12 @@ class EpsServer:
         else:
             self.core = core
         return outs
+
+    async def _decode_large(self, identity: bytes, frames: list):
+        """On the decoder thread, once this peer's pace allows (see inbox.py)."""
+        if (wait := self._inbox.wait(identity)) > 0:
+            await asyncio.sleep(wait)
+        return self._inbox.decoded(identity, await asyncio.wrap_future(self._inbox.decode(frames)))
 
     async def _send(self, outs: list[Out]) -> None:
         """Send without blocking: a peer that does not read its replies loses them, counted

@@ -232,3 +232,42 @@ def test_a_body_nested_too_deep_says_why():
     with pytest.raises(codec.DecodeError) as e:
         codec.decode([b"\x06", deep])
     assert not e.value.args[0].endswith(": "), e.value.args[0]
+
+
+def test_a_manifest_sent_again_is_decoded_once():
+    """A flood of Hellos with one large manifest costs one decode (and one hash): the next
+    ones get the manifest decoded for the first, by the sha256 of its bytes; a refused one is
+    refused again, each time with its own req_id."""
+    manifest = Manifest(layers=tuple(LayerSpec(name=f"l{i}", kind="k", tensors=(
+        TensorSpec(name="w", shape=(4, i + 1)),)) for i in range(50)), meta={"m": 1})
+
+    def hello(req_id: int, m, **kw) -> list:
+        return codec.encode(Hello(req_id=req_id, protocol_version=5, manifest_hash=m.hash(),
+                                  manifest=m, **kw))
+
+    first, _ = codec.decode(hello(1, manifest))
+    again, _ = codec.decode(hello(2, manifest, pid=7, host="other"))
+    assert again.manifest is first.manifest and again.manifest == manifest
+    assert (again.req_id, again.pid, again.host) == (2, 7, "other")
+    assert again.manifest.hash() is first.manifest.hash()
+    other = Manifest(layers=manifest.layers[:-1], meta=manifest.meta)
+    third, _ = codec.decode(hello(3, other))
+    assert third.manifest == other and third.manifest is not first.manifest
+    assert codec.decode(hello(4, manifest))[0].manifest is first.manifest
+    bad = msgpack.unpackb(hello(0, manifest)[1])
+    bad["manifest"]["layers"][3]["tensors"][0]["shape"] = [0]
+    for req_id in (5, 6):
+        with pytest.raises(codec.DecodeError) as e:
+            codec.decode([b"\x01", msgpack.packb({**bad, "req_id": req_id})])
+        assert e.value.field == "manifest.layers[3].tensors[0]" and e.value.req_id == req_id
+
+
+def test_the_req_id_of_a_message_left_unread():
+    """A request refused unread (busy) is answered with the req_id its body starts with."""
+    assert codec.request_id(codec.encode(Status(req_id=2**62))) == 2**62
+    assert codec.request_id([b"\x06", body(req_id=9, layer=0)]) == 9
+    for frames in ([], [b"\x06"], [b"\x06", b""], [b"\x06", b"\xc1"], [b"\x06", body(layer=0)],
+                   [b"\x06", body(req_id=-1)], [b"\x06", body(req_id="1")],
+                   [b"\x06", msgpack.packb({"x" * 100: 1, "req_id": 3})],
+                   [b"\x06", msgpack.packb([1, 2])]):
+        assert codec.request_id(frames) == 0, frames
