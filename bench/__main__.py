@@ -24,6 +24,7 @@ from . import (
     keep,
     load,
     memory,
+    multibox,
     optimizer,
     scale,
     speed,
@@ -47,6 +48,7 @@ BENCHMARKS = {
     "recovery": (speed.add_args, speed.recovery),
     "metrics": (speed.add_args, speed.metrics),
     "flood": (flood.add_args, flood.flood),
+    "multibox": (multibox.add_args, multibox.multibox),
     "gpu": (gpu.add_args, gpu.gpu),  # see bench/gpu.py; make gpu-check runs it with the tests
 }
 EXTRA = ("scale", "bootstrap", "gpu", "states")  # long, or needing a GPU: not in "all"
