@@ -27,6 +27,9 @@ def parse(argv: list[str] | None = None) -> ServerArgs:
     return cli.parse(ServerArgs, argv, "eps-server", __doc__.split("\n")[0])
 
 
+BOX_LOST = 3  # exit status: another box of the job died or was cut off
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv).server
     die_with_parent()
@@ -51,6 +54,9 @@ def run(cfg: ServerConfig) -> int:
         return 1
     finally:
         server.close()
+    if server.box_lost:  # a launcher restarts the job from its last checkpoint, if it may
+        logging.getLogger("eps_server").error("stopping: %s", server.box_lost)
+        return BOX_LOST
     return 0
 
 

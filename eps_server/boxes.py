@@ -149,6 +149,12 @@ class CrossBox:
     def skip(self, layer: int, t: int) -> None:
         self.sequence.skip((t, layer))
 
+    @property
+    def lost(self) -> str | None:
+        """Why the boxes' collectives failed (then this EPS should stop), or None."""
+        broken = self.sequence.broken
+        return None if broken is None else str(broken)
+
     def _compare(self, t: int) -> None:
         """Every layer is at version t here (the step's updates wait their turn behind this
         one): the boxes' checksums of their masters must be equal."""

@@ -76,6 +76,7 @@ class EpsServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
+        self.box_lost: str | None = None  # why this EPS stopped: another box was lost
         self._settle_timer: asyncio.TimerHandle | None = None
         self._warmer: threading.Thread | None = None  # compiles the math passes at start
         torch.set_num_threads(cfg.math_threads)
@@ -334,6 +335,12 @@ class EpsServer:
             if not outs:
                 break
             await self._send(outs)
+        boxes = self.core.engines.boxes if self.core is not None else None
+        if boxes is not None and boxes.lost and not self.box_lost:
+            # Its workers were told; every box's EPS exits, so that each launcher restarts
+            # its job from its last checkpoint (--max-restarts), or the job ends on every box.
+            self.box_lost = boxes.lost
+            self._loop.call_later(0.2, self._stop.set)  # let the errors go out
         self._check_exit()
 
     def _check_exit(self) -> None:

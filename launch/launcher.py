@@ -29,7 +29,7 @@ import threading
 import time
 
 from protocol import events
-from protocol.checkpoints import latest
+from protocol.checkpoints import latest, stamp
 from protocol.lifecycle import ENV as PARENT_ENV
 from protocol.lifecycle import REFUSED, exit_status
 from protocol.shm import unlink_run
@@ -62,7 +62,7 @@ class Launcher:
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
         self.checkpoint_errors, self.boxes = checkpoint_errors, boxes  # LaunchConfig, --nodes
         self.checkpoint_failures: list[events.CheckpointFailed] = []
-        self._foreign = _stamp(checkpoints)  # there before (another run's, or loaded): not ours
+        self._foreign = stamp(checkpoints)  # there before (another run's, or loaded): not ours
         self.restarts: list[dict] = []  # what failed, when it was noticed, how it came back
         self.children: list[Child] = []
         self.workers: dict[int, Child] = {}
@@ -135,8 +135,7 @@ class Launcher:
                     self._on_eval(ev)
 
     def _on_checkpoint_failed(self, ev: events.CheckpointFailed) -> None:
-        """Said at once (also with --quiet) the first time and for the final one; the others
-        are counted (the EPS's log has each)."""
+        """Said at once (also --quiet) the first time and for the final one; counted."""
         with self._lock:
             self.checkpoint_failures.append(ev)
             first = len(self.checkpoint_failures) == 1
@@ -336,8 +335,9 @@ class Launcher:
             w.proc.wait()
         for r, w in list(self.workers.items()):
             code = w.proc.poll()
-            if code in (None, 0):
-                continue
+            eps = self.server.proc if self.server else None
+            if code in (None, 0) or eps and reaped(eps, 1.0) and eps.returncode != 0:
+                continue  # a dying EPS told it why: its restart (the whole job's) covers it
             what = f"w{r} {exit_status(code)}"
             if not self._may_restart(what):
                 return False
@@ -355,7 +355,7 @@ class Launcher:
         """The EPS died: stop the workers, start everything again from its last checkpoint."""
         self.stop_all()
         found = latest(self.checkpoints) if self.checkpoints else None
-        step = found[1] if found and _stamp(self.checkpoints) != self._foreign else None
+        step = found[1] if found and stamp(self.checkpoints) != self._foreign else None
         done = self._completed()
         with self._lock:  # steps after the checkpoint are trained (and reported) again
             start = step if step is not None else min(self.events, default=0)
@@ -386,15 +386,3 @@ class Launcher:
     def cleanup(self) -> None:
         """Remove the run's private directory (socket, per-worker summaries)."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def _stamp(root: str):
-    """What tells one checkpoint from another at ``root``'s latest: its path and when it was
-    written (a new one may reuse an old one's name)."""
-    found = latest(root) if root else None
-    if found is None:
-        return None
-    try:
-        return found[0], os.stat(os.path.join(found[0], "state.json")).st_mtime_ns
-    except OSError:
-        return None

@@ -101,3 +101,15 @@ def latest(root: str) -> tuple[str, int] | None:
             return path, int(json.load(f)["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def stamp(root: str):
+    """What tells one checkpoint from another at ``root``'s latest: its path and when it was
+    written (a new one may reuse an old one's name); None if there is none."""
+    found = latest(root) if root else None
+    if found is None:
+        return None
+    try:
+        return found[0], os.stat(os.path.join(found[0], "state.json")).st_mtime_ns
+    except OSError:
+        return None

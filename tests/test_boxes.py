@@ -230,3 +230,44 @@ def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path):
                                                  "8", "--load", ck))):
         assert code == 0, f"box {r}: {err}"
     assert_close(load_file(str(three / "box0" / "m.st")), want, atol=1e-5, rtol=1e-4)
+
+
+def test_with_restarts_a_dead_box_restarts_every_box_from_the_last_checkpoint(tmp_path,
+                                                                              one_box):
+    """Checkpoints every 2 steps on each box; box 1's EPS is killed once both hold one: box 0's
+    EPS exits (status 3, "another box was lost"), each launcher restarts its job from its
+    last checkpoint, the boxes meet again and the run ends as the failure-free one."""
+    from protocol.checkpoints import latest
+
+    procs = boxes(tmp_path, 2, "--max-restarts", "1", "--server-save", "ck",
+                  "--checkpoint-every", "2", "--steps", "8")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            found = [latest(str(tmp_path / f"box{r}" / "ck")) for r in range(2)]
+            if all(found) and found[0][1] == found[1][1] < 8:
+                break
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.01)
+        endpoint = f"ipc://{tmp_path}/box1/eps.sock"
+        [eps] = [pid for pid in processes_with(endpoint) if b"eps_server" in
+                 open(f"/proc/{pid}/cmdline", "rb").read()]
+        os.kill(eps, signal.SIGKILL)
+        results = finish(procs)
+    finally:
+        finish(procs)
+    for r, (code, err) in enumerate(results):
+        assert code == 0, f"box {r}: {err}"
+        s = json.loads((tmp_path / f"box{r}" / "s.json").read_text())
+        [restart] = s["restarts"]
+        assert restart["checkpoint_step"] == found[0][1], restart
+        cause = "SIGKILL" if r == 1 else "exited with status 3"
+        assert cause in restart["cause"], restart
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    p = subprocess.run([*LAUNCH, "--workers", "2", *JOB, "--steps", "8", "--save",
+                        str(ref / "m.st")], env=ENV, cwd=ref, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert_close(load_file(str(tmp_path / "box0" / "m.st")), load_file(str(ref / "m.st")),
+                 atol=1e-5, rtol=1e-4)
