@@ -128,8 +128,8 @@ class CrossBox:
 
         key = (t, layer)
         t0 = time.perf_counter()
-        self.sequence.wait_turn(key, self.cfg.box_timeout)
         try:
+            self.sequence.wait_turn(key, self.cfg.box_timeout)
             every = self.cfg.box_check_every
             if layer == self.sequence.layers - 1 and (not self.checks or every and
                                                       t % every == 0):
@@ -148,6 +148,10 @@ class CrossBox:
 
     def skip(self, layer: int, t: int) -> None:
         self.sequence.skip((t, layer))
+
+    def fail(self, why: str) -> None:
+        """Stop this box's collectives (an engine waiting for its turn gives up at once)."""
+        self.sequence.fail(BoxLost(why))
 
     @property
     def lost(self) -> str | None:

@@ -103,6 +103,9 @@ def hold_root(root: str) -> bool:
     if root in _held:
         return False
     _held[root] = _lock(root)
+    for n in os.listdir(root):  # what a killed writer left (on a full disk, it stays in the way)
+        if _ours(n) and n != LOCK:
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return True
 
 
@@ -180,14 +183,14 @@ def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
             f.write(name + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(pointer, os.path.join(root, layout_on_disk.LATEST))
-        _fsync_dir(root)
     except BaseException:  # the previous checkpoint stays the latest: this one goes
         for leftover in (pointer, final):
             shutil.rmtree(leftover, ignore_errors=True)
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.remove(leftover)
         raise
+    os.replace(pointer, os.path.join(root, layout_on_disk.LATEST))  # now it is the latest
+    _fsync_dir(root)
     _prune(root, name, keep)
     return final
 

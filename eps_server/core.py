@@ -158,6 +158,8 @@ class EpsCore:
     def close(self, final_save: bool = True) -> None:
         """Stop the engines (a running job finishes), write the final checkpoint (--server-save)
         unless a step is half done, release shared memory."""
+        if self.engines.boxes is not None:  # no engine is left waiting for its turn
+            self.engines.boxes.fail("the EPS is stopping")
         self.engines.close()
         self.pool.close()
         try:

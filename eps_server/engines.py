@@ -15,7 +15,6 @@ deterministically); results still arrive through ``on_done``.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import queue
@@ -29,7 +28,7 @@ import torch
 
 from protocol.trace import NULL, Tracer
 
-from .boxes import CrossBox
+from .boxes import BoxLost, CrossBox
 from .buffers import BufferPool
 from .config import OptimizerConfig
 from .layer_math import Checked, LayerMath, all_finite
@@ -302,10 +301,12 @@ class Engines:
             updated = self._update_parts(job, (summed,))
         finally:
             math_.release(summed)
-        if updated.checked.refused:  # after the sum no rank can be told to push again: the
-            # step cannot complete anywhere (as when finite parts overflow together)
-            updated = dataclasses.replace(updated, checked=Checked((), True,
-                                                                   updated.checked.norm_sq))
+        if updated.checked.refused:  # after the sum no rank can be told to push again, and
+            # every box found the same: the step cannot complete anywhere; the job stops
+            lost = BoxLost(f"a non-finite gradient of layer {job.layer} at step {job.t} (from "
+                           "a rank of this box or of another): no box can apply the step")
+            self.boxes.sequence.fail(lost)
+            raise lost
         return updated
 
     def _update_parts(self, job: Update, parts: tuple[torch.Tensor, ...]) -> Updated:

@@ -199,7 +199,8 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
         last = summary["checkpoint_failures"][-1]
         good = (f"the latest good one is step {last['last_step']} in {last['path']}"
                 if last["last_step"] >= 0 else "there is no good one")
-        say(f"l2l-launch: warning: training and --save completed, but "
+        done = "training and --save" if args.launch.save else "training"
+        say(f"l2l-launch: warning: {done} completed, but "
             f"{len(summary['checkpoint_failures'])} checkpoint(s) failed (last: "
             f"{last['error']}); {good}", sys.stderr)
     if code == 0:

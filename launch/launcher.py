@@ -288,8 +288,11 @@ class Launcher:
         if self.server.proc.returncode != 0:
             self.failure = f"eps-server {exit_status(self.server.proc.returncode)}"
             return 1
-        if self.checkpoint_failures and self.checkpoint_errors == "fail":  # the final one
-            self.failure = f"final checkpoint failed: {self.checkpoint_failures[-1].error}"
+        for t in self.server.threads:  # its events read to the end (a final checkpoint's)
+            t.join(timeout=5.0)
+        if self.checkpoint_failures and self.checkpoint_errors == "fail":
+            ev = self.checkpoint_failures[-1]
+            self.failure = f"{'final ' if ev.final else ''}checkpoint failed: {ev.error}"
             return 1
         return 0
 
@@ -339,6 +342,9 @@ class Launcher:
             if code in (None, 0) or eps and reaped(eps, 1.0) and eps.returncode != 0:
                 continue  # a dying EPS told it why: its restart (the whole job's) covers it
             what = f"w{r} {exit_status(code)}"
+            if code == REFUSED:  # its own refusal (its options, --save): it would again
+                self.failure = what
+                return False
             if not self._may_restart(what):
                 return False
             self.restarts.append({

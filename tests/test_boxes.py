@@ -232,6 +232,7 @@ def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path):
     assert_close(load_file(str(three / "box0" / "m.st")), want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_with_restarts_a_dead_box_restarts_every_box_from_the_last_checkpoint(tmp_path,
                                                                               one_box):
     """Checkpoints every 2 steps on each box; box 1's EPS is killed once both hold one: box 0's

@@ -147,7 +147,7 @@ def test_a_save_the_disk_cannot_hold_fails_the_job_in_one_line_and_loses_nothing
                        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert p.returncode == 1, p.stderr
     s = json.loads((tmp_path / "s.json").read_text())
-    assert s["failure"] == "w0 exited with status 1" and s["save"] is None, s["failure"]
+    assert s["failure"] == "w0 exited with status 2" and s["save"] is None, s["failure"]
     assert f"could not write the model to {disk / 'm.st'}: No space left on device" in p.stderr
     assert "training is complete" in p.stderr and "Traceback" not in p.stderr
     w0 = (tmp_path / "runs" / s["run_id"] / "w0.log").read_text()

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from protocol import cli
-from protocol.lifecycle import die_with_parent, skip_exit_collections
+from protocol.lifecycle import REFUSED, die_with_parent, skip_exit_collections
 
 from .config import WorkerArgs
 from .eps_client import EpsDisconnected, EpsError
@@ -47,7 +47,7 @@ def run(args: WorkerArgs) -> int:
     except (EpsError, EpsDisconnected, TimeoutError, ValueError, ModelNotSaved) as e:
         log = logging.getLogger("l2l_worker")
         log.error("%s", e, exc_info=log.isEnabledFor(logging.DEBUG))
-        return 1
+        return REFUSED if isinstance(e, ModelNotSaved) else 1  # (a restart would not help)
     finally:
         # Done: nothing is left to unwind, and a SIGTERM now (a launcher stopping the job as
         # this worker exits) would raise inside the interpreter's exit handlers: a traceback
