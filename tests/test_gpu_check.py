@@ -290,8 +290,8 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     files."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bench.gpucheck", "--tiny", "--out", str(out),
-                        "--budget", "900"], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=1200)
+                        "--budget", "900", "--share", "engines=150"],  # its tiny run: ~40 s
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.log",
                                                      "gpu-check.md"]
