@@ -149,9 +149,12 @@ class CrossBox:
     def skip(self, layer: int, t: int) -> None:
         self.sequence.skip((t, layer))
 
-    def fail(self, why: str) -> None:
-        """Stop this box's collectives (an engine waiting for its turn gives up at once)."""
-        self.sequence.fail(BoxLost(why))
+    def fail(self, why: str) -> BoxLost:
+        """Stop this box's collectives (an engine waiting for its turn gives up at once);
+        returns the error, for its caller to raise."""
+        lost = BoxLost(why)
+        self.sequence.fail(lost)
+        return lost
 
     @property
     def lost(self) -> str | None:

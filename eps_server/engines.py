@@ -28,7 +28,7 @@ import torch
 
 from protocol.trace import NULL, Tracer
 
-from .boxes import BoxLost, CrossBox
+from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import OptimizerConfig
 from .layer_math import Checked, LayerMath, all_finite
@@ -290,23 +290,18 @@ class Engines:
         if self.boxes is None:
             return self._update_parts(job, tuple(p.src for p in job.parts))
         math_ = self.layers[job.layer]  # several boxes: the layer's sum over every box's ranks
-        with self.tracer.span(f"boxes L{job.layer}", "reduce"):
-            summed = math_.summed(tuple(p.src for p in job.parts))
-            try:
-                self.boxes.reduce(job.layer, job.t, summed)
-            except BaseException:
-                math_.release(summed)
-                raise
+        summed = math_.summed(tuple(p.src for p in job.parts))
         try:
+            with self.tracer.span(f"boxes L{job.layer}", "reduce"):
+                self.boxes.reduce(job.layer, job.t, summed)
             updated = self._update_parts(job, (summed,))
         finally:
             math_.release(summed)
         if updated.checked.refused:  # after the sum no rank can be told to push again, and
             # every box found the same: the step cannot complete anywhere; the job stops
-            lost = BoxLost(f"a non-finite gradient of layer {job.layer} at step {job.t} (from "
-                           "a rank of this box or of another): no box can apply the step")
-            self.boxes.sequence.fail(lost)
-            raise lost
+            raise self.boxes.fail(f"a non-finite gradient of layer {job.layer} at step {job.t} "
+                                  "(from a rank of this box or of another): no box can apply "
+                                  "the step")
         return updated
 
     def _update_parts(self, job: Update, parts: tuple[torch.Tensor, ...]) -> Updated:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,17 +18,11 @@ from safetensors.torch import load_file
 from eps_server.boxes import BoxLost, Sequence
 
 from .baseline import assert_close
-from .helpers import ENV, SMALL
+from .helpers import ENV, SMALL, free_port
 from .test_launch import LAUNCH, assert_nothing_left, processes_with
 
 STEPS = 6
 JOB = [*SMALL, "--steps", str(STEPS), "--lr", "3e-3", "--box-check-every", "2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def boxes(tmp_path, n: int, *extra: str, per_box=lambda r: ()) -> list[subprocess.Popen]:
