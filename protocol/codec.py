@@ -222,12 +222,26 @@ def _unpack(body: memoryview, fields: dict[str, Any]) -> tuple[Any, dict[str, in
 
 def _to_wire(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        out = {}
+        for name, omit, default in _wire_fields(type(value)):
+            v = getattr(value, name)
+            if not omit or v != default:
+                out[name] = _to_wire(v)
+        return out
     if isinstance(value, (tuple, list)):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
     return value
+
+
+@cache
+def _wire_fields(cls: type) -> tuple[tuple[str, bool, Any], ...]:
+    """Each field's name, whether it is left off the wire at its default, and that default (a
+    field added to a message later: a peer that refuses unknown fields still reads the message
+    as long as the field is not used)."""
+    return tuple((f.name, bool(f.metadata.get("omit_default")), f.default)
+                 for f in dataclasses.fields(cls))
 
 
 # ----------------------------------------------------------------------------- from wire

@@ -10,9 +10,10 @@ Requests carry a ``req_id`` chosen by the client; the reply to a request carries
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .box_info import BoxInfo
 from .lifecycle import IDENTITY
 from .tensors import ITEMSIZES, Manifest
 
@@ -38,9 +39,7 @@ MAX_RANKS = 4096
 # What a region holds: tensors of a layer dtype, int64 versions, or raw bytes (stash arena).
 REGION_DTYPES = (*sorted(ITEMSIZES), "int64", "uint8")
 MAX_STR = 4096
-
 REGISTRY: dict[int, type[Message]] = {}
-
 
 # Body limits: a request needs well under 1 KiB (tensor bytes travel as frames); a Hello may
 # carry a manifest; replies come from the server.
@@ -296,6 +295,7 @@ class StatusReply(Message):
     stats: dict[str, int | float | str]
     workers: tuple[WorkerInfo, ...] = ()
     updated_ms: tuple[int, ...] = ()  # per layer: ms since its version last changed (-1: never)
+    boxes: tuple[BoxInfo, ...] = field(default=(), metadata={"omit_default": True})  # --nodes
 
 
 @dataclass(frozen=True, kw_only=True)

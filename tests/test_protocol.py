@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import codec
+from protocol.box_info import BOX_STATES, BoxInfo
 from protocol.messages import (
     ERROR_CODES,
     REGISTRY,
@@ -104,6 +105,12 @@ SAMPLES = {
                                step=small, silent=st.floats(0, 1e6),
                                report=st.none() | reports), max_size=3).map(tuple),
                            updated_ms=st.lists(st.integers(-1, 2**40), max_size=4).map(tuple),
+                           boxes=st.lists(st.builds(
+                               BoxInfo, box=st.integers(0, 1023),
+                               state=st.sampled_from(BOX_STATES), age=st.floats(-1, 1e6),
+                               host=st.text(max_size=10), step=small, newest=small,
+                               last_checkpoint=st.integers(-1, 100), lost=st.booleans()),
+                               max_size=3).map(tuple),
                            versions=st.lists(small, max_size=5).map(tuple), world_size=small,
                            ranks=st.lists(small, max_size=5).map(tuple),
                            stats=st.dictionaries(st.text(max_size=8),
