@@ -13,6 +13,7 @@ messages wait in its backlog, and everyone else's are served (see inbox.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -29,12 +30,13 @@ from protocol import codec, curve
 from protocol.endpoints import IpcClaim, check_bind, ipv6
 from protocol.events import EventWriter, PeerLost, Ready, ServerStats
 from protocol.lifecycle import process_gone
-from protocol.messages import PROTOCOL_VERSION, Error, Hello
+from protocol.messages import PROTOCOL_VERSION, Error, Hello, StatusReply
 from protocol.shm import RunLock, remove_orphans
 from protocol.tensors import DTYPES
 from protocol.trace import Tracer
 
 from . import checkpoint, kernels, metrics
+from .box_status import BoxBoard
 from .boxes import CrossBox
 from .config import ServerConfig
 from .core import EpsCore
@@ -77,6 +79,7 @@ class EpsServer:
         self._stop: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None  # the task sending what core.poll returns
         self.box_lost: str | None = None  # why this EPS stopped: another box was lost
+        self.board: BoxBoard | None = None  # every box's status, for Status (--nodes)
         self._settle_timer: asyncio.TimerHandle | None = None
         self._warmer: threading.Thread | None = None  # compiles the math passes at start
         torch.set_num_threads(cfg.math_threads)
@@ -109,6 +112,7 @@ class EpsServer:
                         "server that is gone", count, size / 2**20, run)
         if self.cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
             await asyncio.to_thread(CrossBox.join, self.cfg.boxes)
+            self.board = BoxBoard(self.cfg, self.stats, lambda: self.core)
         if self.cfg.load:
             self.core = await asyncio.to_thread(load_core, self.cfg, self.cfg.load,
                                                 self.run_id, **self._core_kw)
@@ -194,6 +198,8 @@ class EpsServer:
         if self._holds_root:
             checkpoint.release_root(self.cfg.save)
             self._holds_root = False
+        if self.board is not None:
+            self.board.close(core)
         CrossBox.close()
         self.tracer.close()
         return stats
@@ -305,6 +311,8 @@ class EpsServer:
         for out in outs:
             if type(out.msg) is Error:
                 self.stats.errors[out.msg.code] += 1
+            elif type(out.msg) is StatusReply and self.board is not None:  # every box's too
+                out = Out(out.peer, dataclasses.replace(out.msg, boxes=self.board.view()))
             try:
                 await self.sock.send_multipart([out.peer, *codec.encode(out.msg, out.frames)],
                                                flags=zmq.NOBLOCK, copy=False)

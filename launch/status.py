@@ -22,7 +22,8 @@ def as_json(r) -> dict:
     return {"run_id": r.run_id, "step": r.step, "world_size": r.world_size,
             "ranks": list(r.ranks), "versions": list(r.versions), "stats": r.stats,
             "workers": [dataclasses.asdict(w) for w in r.workers],
-            "updated_ms": list(r.updated_ms)}
+            "updated_ms": list(r.updated_ms),
+            "boxes": [dataclasses.asdict(b) for b in getattr(r, "boxes", ())]}
 
 
 def render(r) -> Group:
@@ -59,7 +60,31 @@ def render(r) -> Group:
     if len(shown) > MAX_LAYER_ROWS:
         rest = [v for _, (v, _) in shown[MAX_LAYER_ROWS:]]
         layers.add_row(f"{MAX_LAYER_ROWS}..{len(shown) - 1}", f"{min(rest)}..{max(rest)}", "")
-    return Group(head, workers, layers)
+    boxes = getattr(r, "boxes", ())
+    return Group(head, *([box_table(boxes)] if len(boxes) > 1 else []), workers, layers)
+
+
+STATES = {"ok": "green", "stale": "yellow", "missing": "yellow", "unknown": "red"}
+
+
+def box_table(boxes) -> Table:
+    """One line per box of a job over several (each as its EPS last published itself); the
+    rest of the page is this box's."""
+    t = Table(title="boxes (as each published itself; the workers and layers below are this "
+                    "box's)", title_justify="left")
+    for col in ("box", "host", "state", "step", "versions", "steps done", "workers alive / "
+                "connected / all", "last checkpoint", "group", "published"):
+        t.add_column(col, justify="left" if col in ("host", "state", "group") else "right")
+    for b in boxes:
+        known = b.age >= 0
+        row = ((b.host, str(b.step), f"{b.step}..{b.newest}", str(b.steps_completed),
+                f"{b.alive} / {b.workers} / {b.world_size}",
+                "-" if b.last_checkpoint < 0 else str(b.last_checkpoint),
+                "[bold red]lost[/]" if b.lost else "ok")
+               if known else ("",) + ("-",) * 5 + ("",))
+        t.add_row(str(b.box), row[0], f"[{STATES[b.state]}]{b.state}[/]", *row[1:],
+                  f"{b.age:.1f} s ago" if known else "-")
+    return t
 
 
 def checkpoints(s: dict) -> str:
