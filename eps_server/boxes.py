@@ -1,6 +1,9 @@
 """The EPSes of a job over several boxes (``--nodes N``): one torch.distributed gloo group,
-joined by the env:// contract (MASTER_ADDR, MASTER_PORT, the box's rank, N), in ``replicate``
-mode: every box holds the master and optimizer state of every layer.
+joined by the env:// contract (MASTER_ADDR, MASTER_PORT, the box's rank, N). In ``replicate``
+mode every box holds the master and optimizer state of every layer; in ``shard`` mode (ZeRO-1
+across the boxes) each holds 1/N of every layer's (protocol/shards.py), and the all-reduce
+below becomes a reduce-scatter (``reduce_shard``), each box updates its part, and the served
+copy is all-gathered (``gather``): the same bytes on the network as the all-reduce.
 
 When a layer's gradient is complete on a box (its local workers' parts), the engine updating
 it sums the parts into an fp32 buffer and all-reduces that across the boxes at once, so the
@@ -13,7 +16,8 @@ Collectives must be issued in one order on every box; engines finish layers in t
 backward sends them, which the ``Sequence`` makes canonical: step by step, from the last layer
 to the first (a layer dropped in a step is passed over). A box that dies or is cut off makes
 the others' collective fail within ``box_timeout``: the update fails, the EPS stops updating
-and tells its workers why, and the job fails on every box.
+and tells its workers why, and the job fails on every box. A shard job's checkpoints are the
+boxes' together (shard_save.py, through ``agree``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .config import BoxesConfig
+from .layer_math import Checked
 
 log = logging.getLogger("eps_server")
 
@@ -92,14 +98,47 @@ class Sequence:
 
 
 class CrossBox:
-    """This EPS's membership of the boxes' group (``join`` blocks until every box is there)."""
+    """This EPS's membership of the boxes' group (``join`` blocks until every box is there).
 
-    def __init__(self, cfg: BoxesConfig, layers: int, start: Callable[[], int], masters):
+    ``replicas``: what must be equal on every box, layer by layer (the checksums): the fp32
+    masters in replicate mode, the served copies in shard mode. ``engines``: in shard mode,
+    the engines whose all-gathers run on groups of their own (``gather``)."""
+
+    def __init__(self, cfg: BoxesConfig, layers: int, start: Callable[[], int], replicas,
+                 engines: int = 0):
+        import torch.distributed as dist
+
         self.cfg = cfg
         self.sequence = Sequence(layers, start)
-        self._masters = masters  # layer -> its fp32 master (the replica checksums)
+        self._replicas = replicas
         self.reduce_seconds = 0.0  # time engines waited on cross-box reductions
+        self.gather_seconds = 0.0  # (shard) time engines spent in all-gathers
         self.checks = 0
+        self._lost_at_stop: tuple[str | None] | None = None  # (lost before stop(),) once stopped
+        # Shard mode: a layer's all-gather follows its update, on the engine that owns it.
+        # One group per engine: each engine runs its jobs in the same order on every box (the
+        # order the backward and the step's decision send them), so each group's collectives
+        # match without the layers' global order, and a gather never waits for a reduction.
+        timeout = datetime.timedelta(seconds=cfg.box_timeout)
+        self._groups = [dist.new_group(backend="gloo", timeout=timeout)
+                        for _ in range(engines)]
+
+    @classmethod
+    def of(cls, cfg: BoxesConfig, store, engines: int) -> CrossBox:
+        """The membership of an EPS with ``store`` and ``engines`` engines."""
+        sharded = store.sharding is not None
+        replicas = [(store.compute if sharded else store.master)(i)
+                    for i in range(store.num_layers)]
+        return cls(cfg, store.num_layers, lambda: max(store.step, 0), replicas,
+                   engines if sharded else 0)
+
+    @staticmethod
+    def engines(cfg) -> int:
+        """Engines for ServerConfig ``cfg``: its math threads; in shard mode across boxes the
+        most (every box must run the same engines, whatever its cores: ``gather``)."""
+        from .engines import MAX_ENGINES
+
+        return MAX_ENGINES if cfg.boxes.sharding is not None else cfg.math_threads
 
     @staticmethod
     def join(cfg: BoxesConfig) -> None:
@@ -126,6 +165,45 @@ class CrossBox:
         replicas are compared first. Raises BoxLost."""
         import torch.distributed as dist
 
+        self._in_turn(layer, t, lambda: dist.all_reduce(grad))
+
+    def reduce_shard(self, layer: int, t: int, grad: torch.Tensor, shard: torch.Tensor,
+                     check: Callable[[], Checked]) -> Checked:
+        """Shard mode: reduce-scatter ``grad`` (this box's fp32 sum of the layer's gradient,
+        padded to count x chunk) into ``shard`` (this box's chunk of the boxes' sum), in its
+        turn; ``check()`` checks the chunk, and the boxes' findings are summed, so every box
+        decides (overflow, the norm for clipping) from the whole layer. Raises BoxLost."""
+        import torch.distributed as dist
+
+        def run() -> Checked:
+            dist.reduce_scatter_tensor(shard, grad)
+            mine = check()
+            found = torch.tensor([mine.norm_sq, float(not mine.finite)], dtype=torch.float64)
+            dist.all_reduce(found)
+            # one part (the sum): a non-finite element anywhere is the sum's, as an overflow
+            return Checked((), bool(found[1] > 0), float(found[0]))
+
+        return self._in_turn(layer, t, run)
+
+    def gather(self, engine: int, layer: int, mine: torch.Tensor, out: torch.Tensor) -> None:
+        """Shard mode: all-gather every box's chunk of the layer's new served copy (``mine``,
+        one chunk) into ``out`` (count x chunk), on ``engine``'s group. Raises BoxLost."""
+        import torch.distributed as dist
+
+        if self.sequence.broken is not None:
+            raise BoxLost(f"an earlier cross-box reduction failed: {self.sequence.broken}")
+        t0 = time.perf_counter()
+        try:
+            dist.all_gather_into_tensor(out, mine, group=self._groups[engine])
+        except Exception as e:  # gloo: a peer gone (connection closed) or the timeout
+            lost = BoxLost(f"the all-gather of layer {layer} across {self.cfg.nodes} boxes "
+                           f"failed (a box died or is cut off?): {e}")
+            self.sequence.fail(lost)
+            raise lost from None
+        self.gather_seconds += time.perf_counter() - t0
+
+    def _in_turn(self, layer: int, t: int, run: Callable[[], Any]) -> Any:
+        """``run()`` (collectives on the default group) in the turn of (t, layer)."""
         key = (t, layer)
         t0 = time.perf_counter()
         try:
@@ -134,7 +212,7 @@ class CrossBox:
             if layer == self.sequence.layers - 1 and (not self.checks or every and
                                                       t % every == 0):
                 self._compare(t)  # always at a box's first step: a restart's checkpoints
-            dist.all_reduce(grad)
+            result = run()
         except BoxLost as e:
             self.sequence.fail(e)
             raise
@@ -145,6 +223,27 @@ class CrossBox:
             raise lost from None
         self.sequence.done(key)
         self.reduce_seconds += time.perf_counter() - t0
+        return result
+
+    def agree(self, mine: torch.Tensor, what: str) -> torch.Tensor:
+        """Every box's ``mine`` (int64, one shape everywhere), stacked in box order: the
+        boxes' checkpoints at a step boundary, while no engine runs. Raises BoxLost."""
+        import torch.distributed as dist
+
+        every = [torch.empty_like(mine) for _ in range(self.cfg.nodes)]
+        try:
+            if self.lost is not None:
+                raise BoxLost(f"an earlier cross-box reduction failed: {self.lost}")
+            dist.all_gather(every, mine)
+        except BoxLost as e:
+            self.sequence.fail(e)
+            raise
+        except Exception as e:
+            lost = BoxLost(f"{what} across {self.cfg.nodes} boxes failed (a box died or is "
+                           f"cut off?): {e}")
+            self.sequence.fail(lost)
+            raise lost from None
+        return torch.stack(every)
 
     def skip(self, layer: int, t: int) -> None:
         self.sequence.skip((t, layer))
@@ -156,9 +255,23 @@ class CrossBox:
         self.sequence.fail(lost)
         return lost
 
+    def stats(self) -> dict:
+        """Engine time in cross-box collectives (shard mode: gathers apart)."""
+        return {"box_reduce_seconds": round(self.reduce_seconds, 6),
+                "box_gather_seconds": round(self.gather_seconds, 6)}
+
+    def stop(self) -> None:
+        """The EPS stops: no engine is left waiting for its turn. What was lost before stays
+        ``lost``; else the group still serves a shard job's final checkpoint (``agree``)."""
+        lost = self.lost
+        self.sequence.fail(BoxLost("the EPS is stopping"))
+        self._lost_at_stop = (lost,)
+
     @property
     def lost(self) -> str | None:
         """Why the boxes' collectives failed (then this EPS should stop), or None."""
+        if self._lost_at_stop is not None:
+            return self._lost_at_stop[0]
         broken = self.sequence.broken
         return None if broken is None else str(broken)
 
@@ -167,7 +280,7 @@ class CrossBox:
         one): the boxes' checksums of their masters must be equal."""
         import torch.distributed as dist
 
-        mine = torch.tensor([t] + [checksum(m) for m in self._masters], dtype=torch.int64)
+        mine = torch.tensor([t] + [checksum(m) for m in self._replicas], dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.cfg.nodes)]
         dist.all_gather(every, mine)
         self.checks += 1
@@ -193,6 +306,7 @@ class CrossBox:
                 pass
 
 
-def checksum(master: torch.Tensor) -> int:
-    """Sum of the fp32 bit patterns as int64 (exact, order-free): equal replicas, equal sums."""
-    return int(master.view(torch.int32).sum(dtype=torch.int64))
+def checksum(t: torch.Tensor) -> int:
+    """Sum of the bit patterns as int64 (exact, order-free): equal replicas, equal sums."""
+    return int(t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+               .sum(dtype=torch.int64))

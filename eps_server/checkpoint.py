@@ -25,10 +25,9 @@ import os
 import shutil
 from dataclasses import dataclass
 
-import torch
-
 from protocol import checkpoints as layout_on_disk
-from protocol.safetensors_io import SafetensorsFile, write_safetensors
+from protocol.checkpoint_tensors import CheckpointTensors
+from protocol.safetensors_io import write_safetensors
 from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, plan_layout, views
 
 FORMAT = 2  # 2: a root of checkpoint directories, checksums
@@ -138,10 +137,16 @@ def _write_json(path: str, obj) -> dict:
     return {"sha256": layout_on_disk.sha256_file(path), "size": len(data)}
 
 
-def save(root: str, store, optimizers, extra: dict, keep: int = 1) -> str:
+def save(root: str, store, optimizers, extra: dict, keep: int = 1, boxes=None) -> str:
     """Write the store's master and the optimizers' state at a step boundary (on an engine,
-    the others parked) as a new checkpoint under ``root``; returns its directory."""
+    the others parked) as a new checkpoint under ``root``; returns its directory. In shard
+    mode every box calls this at the same boundary (``boxes``: its CrossBox; shard_save.py)."""
     root = os.path.abspath(root)
+    if store.sharding is not None:
+        from .shard_save import save_shards  # (box 0 holds the root; the others write in it)
+
+        with _holding(root) if store.sharding.rank == 0 else contextlib.nullcontext():
+            return save_shards(root, store, optimizers, extra, keep, boxes)
     with _holding(root):
         return _save(root, store, optimizers, extra, keep)
 
@@ -152,31 +157,50 @@ def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp, mode=0o700)
     try:
-        sums = {"manifest.json": _write_json(os.path.join(tmp, "manifest.json"),
-                                             manifest_to_json(store.manifest)),
-                "state.json": _write_json(os.path.join(tmp, "state.json"), {
-                    "format": FORMAT, "step": store.step, "versions": store.versions,
-                    "manifest_hash": store.manifest_hash, **extra})}
         master, opt_state = [], []
         for plan in store.layout.layers:
             for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
                 master.append((f"{plan.name}/{slot.name}", view))
             for key, t in optimizers[plan.index].state_tensors().items():
                 opt_state.append((f"{plan.name}/{key}", t))
-        for file, tensors in (("master.safetensors", master), ("optimizer.safetensors",
-                                                               opt_state)):
-            path = os.path.join(tmp, file)
-            write_safetensors(path, tensors)
-            sums[file] = {"sha256": layout_on_disk.sha256_file(path),
-                          "size": os.path.getsize(path)}
-        _write_json(os.path.join(tmp, layout_on_disk.CHECKSUMS), sums)
-        _fsync_dir(tmp)
-        final = os.path.join(root, name)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        sums = write_tensor_files(tmp, (("master.safetensors", master),
+                                        ("optimizer.safetensors", opt_state)))
+        write_metadata(tmp, store, extra, sums)
+        commit(root, tmp, name, keep)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return os.path.join(root, name)
+
+
+def write_tensor_files(tmp: str, files) -> dict:
+    """Each (file, [(name, tensor)]) written under ``tmp``; their checksums."""
+    sums = {}
+    for file, tensors in files:
+        path = os.path.join(tmp, file)
+        write_safetensors(path, tensors)
+        sums[file] = {"sha256": layout_on_disk.sha256_file(path), "size": os.path.getsize(path)}
+    return sums
+
+
+def write_metadata(tmp: str, store, extra: dict, sums: dict) -> None:
+    """manifest.json, state.json and checksums.json (of those and ``sums``' files)."""
+    sums = {**sums,
+            "manifest.json": _write_json(os.path.join(tmp, "manifest.json"),
+                                         manifest_to_json(store.manifest)),
+            "state.json": _write_json(os.path.join(tmp, "state.json"), {
+                "format": FORMAT, "step": store.step, "versions": store.versions,
+                "manifest_hash": store.manifest_hash, **extra})}
+    _write_json(os.path.join(tmp, layout_on_disk.CHECKSUMS), sums)
+
+
+def commit(root: str, tmp: str, name: str, keep: int) -> None:
+    """The complete checkpoint at ``tmp`` renamed to ``name`` and made the latest; the oldest
+    beyond ``keep`` removed. Raises with nothing of it left (the previous latest stands)."""
+    _fsync_dir(tmp)
+    final = os.path.join(root, name)
+    os.replace(tmp, final)
+    _fsync_dir(root)
     pointer = os.path.join(root, f".{layout_on_disk.LATEST}.tmp-{os.getpid()}")
     try:
         with open(pointer, "w") as f:
@@ -192,7 +216,6 @@ def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
     os.replace(pointer, os.path.join(root, layout_on_disk.LATEST))  # now it is the latest
     _fsync_dir(root)
     _prune(root, name, keep)
-    return final
 
 
 def _new_name(root: str, base: str) -> str:
@@ -257,20 +280,13 @@ def read_meta(path: str) -> Loaded:
 
 
 def load_into(loaded: Loaded, store, optimizers) -> None:
-    """Fill the store's master and the optimizers' state from a checkpoint."""
-    layout = plan_layout(loaded.manifest)
-    f = SafetensorsFile(os.path.join(loaded.path, "master.safetensors"))
-    for plan in layout.layers:
-        for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
-            t = f.get(f"{plan.name}/{slot.name}")
-            if tuple(t.shape) != slot.shape:
-                raise ValueError(f"checkpoint tensor {plan.name}/{slot.name} has shape "
-                                 f"{tuple(t.shape)}, expected {slot.shape}")
-            view.copy_(t)
-    f = SafetensorsFile(os.path.join(loaded.path, "optimizer.safetensors"))
-    by_layer: dict[str, dict[str, torch.Tensor]] = {}
-    for key in f.keys():
-        layer, _, name = key.partition("/")
-        by_layer.setdefault(layer, {})[name] = f.get(key)
-    for plan in layout.layers:
-        optimizers[plan.index].load_state_tensors(by_layer.get(plan.name, {}))
+    """Fill the store (master, served copy) and the optimizers' state from a checkpoint,
+    written by one EPS or by the boxes of a shard job, whatever the number of boxes now: each
+    layer is read whole and the store keeps its part (protocol/checkpoint_tensors.py)."""
+    tensors = CheckpointTensors(loaded.path, loaded.state)
+    for plan in plan_layout(loaded.manifest).layers:
+        store.write_initial(plan.index, tensors.master(plan))
+        lo, hi = store.spans[plan.index]
+        state = {k: t if t.dim() == 0 else t[lo:hi]
+                 for k, t in tensors.optimizer(plan).items()}
+        optimizers[plan.index].load_state_tensors(state)

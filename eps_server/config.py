@@ -115,10 +115,24 @@ class BoxesConfig:
     box_check_every: int = 50
     """Compare the replicas' checksums across boxes every K steps (0: never); a difference
     stops the job."""
+    eps_mode: Literal["replicate", "shard"] = "replicate"
+    """replicate: every box holds the master and optimizer state of every layer (gradients
+    all-reduced, every box updates). shard: ZeRO-1 across the boxes, each holds 1/N of every
+    layer's master and optimizer state (gradients reduce-scattered, each box updates its
+    shard, the served copy all-gathered); checkpoints are then written by every box together
+    into one --server-save folder that every box sees (a shared file system)."""
     rendezvous: Literal["tcp", "env"] = "tcp"
     """tcp: box 0 serves the rendezvous on master_addr:master_port; env: torch.distributed's
     env:// from the environment (under torchrun, its agent's store; l2l-launch sets this
     when it finds torchrun's variables)."""
+
+    @property
+    def sharding(self):
+        """This box's part of every layer (shards.Sharding), or None (replicate, one box)."""
+        from protocol.shards import Sharding
+
+        sharded = self.nodes > 1 and self.eps_mode == "shard"
+        return Sharding(self.node_rank, self.nodes) if sharded else None
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 1024 or not 0 <= self.node_rank < self.nodes:
@@ -236,6 +250,9 @@ class ServerConfig:
         if self.model_options and not isinstance(self.model_record, dict):
             raise ValueError("model_options must be a JSON map")
         b = self.boxes
+        if b.nodes > 1 and b.eps_mode == "shard" and self.optimizer.name == "lamb":
+            raise ValueError("--eps-mode shard splits tensors across boxes and LAMB's trust "
+                             "ratio needs whole tensors: use --eps-mode replicate with LAMB")
         if b.nodes > 1 and not (is_loopback_host(b.master_addr) or self.insecure):
             raise ValueError(f"--master-addr {b.master_addr} (not loopback): the boxes' gloo "
                              "group has no authentication, anyone who reaches its ports could "

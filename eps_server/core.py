@@ -77,11 +77,9 @@ class EpsCore:
         self.pool = MathPool(cfg.math_threads, inline=inline)
         self.buffers = BufferPool()
         self.engines = Engines(store, layer_maths(store, cfg.optimizer, self.pool, self.buffers),
-                               cfg.math_threads, self._on_done, inline=inline, tracer=tracer)
+                               CrossBox.engines(cfg), self._on_done, inline=inline, tracer=tracer)
         if cfg.boxes.nodes > 1:  # the group was joined at the server's start (server.py)
-            self.engines.boxes = CrossBox(cfg.boxes, store.num_layers,
-                                          lambda: max(store.step, 0),
-                                          [store.master(i) for i in range(store.num_layers)])
+            self.engines.boxes = CrossBox.of(cfg.boxes, store, self.engines.n)
         self.scheduler = UpdateScheduler(cfg, store, self.engines, self.stats, run_id)
         self.peers = Peers(cfg.world_size, cfg.heartbeat_timeout, clock)
         self._lost: list[Peer] = []  # declared dead, not yet reported by expire()
@@ -159,7 +157,7 @@ class EpsCore:
         """Stop the engines (a running job finishes), write the final checkpoint (--server-save)
         unless a step is half done, release shared memory."""
         if self.engines.boxes is not None:  # no engine is left waiting for its turn
-            self.engines.boxes.fail("the EPS is stopping")
+            self.engines.boxes.stop()
         self.engines.close()
         self.pool.close()
         try:
@@ -337,6 +335,8 @@ class EpsCore:
             raise RequestError("bad_request", str(e), "path") from None
         if not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
+        if self.store.sharding is not None:  # (box 0 alone would wait for the others)
+            raise RequestError("bad_request", "in shard mode the boxes save together", "path")
         self.scheduler.request_save(msg.path, Requester(identity, msg.req_id))
         return []
 
@@ -367,8 +367,8 @@ class EpsCore:
                  "loss_scale": self.scheduler.scaler.scale,
                  **model_memory(self.store, [m.optimizer for m in self.engines.layers],
                                 self.buffers, self._rss_before)}
-        if self.engines.boxes is not None:  # engine time in cross-box reductions
-            stats["box_reduce_seconds"] = round(self.engines.boxes.reduce_seconds, 6)
+        if self.engines.boxes is not None:  # engine time in cross-box collectives
+            stats.update(self.engines.boxes.stats())
         if self.broken:
             stats["broken"] = self.broken
         return stats

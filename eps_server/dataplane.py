@@ -57,6 +57,11 @@ class DataPlane:
     def fetch(self, identity: bytes, msg: Fetch, frames=()) -> list[Out]:
         peer = self.peers.worker(identity)
         self.check_layer(msg.layer)
+        if msg.which == "master" and self.store.sharding is not None and \
+                self.store.compute_dtype != "float32":
+            raise RequestError("bad_request", "in --eps-mode shard the fp32 master is spread "
+                               "over the boxes: export the final checkpoint (--server-save) "
+                               "with l2l-export", "which")
         layer, want = msg.layer, msg.min_version
         current = self.store.versions[layer]
         if want > current + 1:
@@ -97,6 +102,8 @@ class DataPlane:
         version = store.versions[msg.layer]
         if self._retaining(msg) and (retained or msg.min_version == version - 1):
             region, dtype, version = store.retained_region, store.compute_dtype, msg.min_version
+        elif store.sharding is not None and msg.which == "master":  # (fp32: the whole copy)
+            region, dtype = store.compute_region, "float32"
         elif msg.which == "master" or store.compute_region is None:
             region, dtype = store.master_region, "float32"
         else:

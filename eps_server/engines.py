@@ -15,14 +15,12 @@ deterministically); results still arrive through ``on_done``.
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -31,11 +29,24 @@ from protocol.trace import NULL, Tracer
 from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import OptimizerConfig
+from .jobs import (  # noqa: F401  (the jobs, re-exported for the engines' users)
+    Action,
+    Done,
+    Exclusive,
+    Init,
+    Part,
+    PushTicket,
+    Requester,
+    Resolve,
+    SaveTicket,
+    Update,
+    Updated,
+    Verdict,
+)
 from .layer_math import Checked, LayerMath, all_finite
 from .layer_store import LayerStore
 from .optimizers import make_optimizer
 from .pool import MathPool
-from .speculation import StepNorms
 
 log = logging.getLogger("eps_server")
 
@@ -44,135 +55,19 @@ log = logging.getLogger("eps_server")
 MAX_ENGINES = 8
 
 
-# ----------------------------------------------------------------------------- tickets
-
-
-@dataclass(frozen=True)
-class PushTicket:
-    """Whom to answer about one pushed gradient."""
-
-    peer: bytes
-    req_id: int
-    rank: int
-    step: int
-    layer: int
-    slot: int
-    framed: bool  # came as a tensor frame (else: read from the rank's shared slot)
-
-
-@dataclass(frozen=True)
-class Part:
-    """One rank's pushed gradient of a layer, read where it lies until its job is done."""
-
-    src: torch.Tensor
-    ticket: PushTicket
-
-    @property
-    def nbytes(self) -> int:
-        return self.src.numel() * self.src.element_size()
-
-
-@dataclass(frozen=True)
-class Requester:
-    """Whom to answer about a request that an engine job completes (InitLayer, Save)."""
-
-    peer: bytes
-    req_id: int
-
-
-# ----------------------------------------------------------------------------- jobs
-
-
-class Action(enum.Enum):
-    FINAL = "final"  # update now; the new version is published when done
-    SPECULATE = "speculate"  # if the guess says so (speculation.py) update now, keep the
-    #                          gradient, publish once the step is decided; else as HOLD
-    HOLD = "hold"  # keep the gradient; updated once the step is decided
-
-
-class Verdict(enum.Enum):
-    APPLY = "apply"  # a held gradient: update with the step's divisor
-    REDO = "redo"  # a speculative update: undo it, update with the step's divisor
-    UNDO = "undo"  # a speculative update: undo it (the step is skipped)
-
-
-@dataclass(frozen=True)
-class Init:
-    """Write a layer's initial fp32 values (refused if not all finite). Result: bool."""
-
-    layer: int
-    data: torch.Tensor
-    requester: Requester
-
-
-@dataclass(frozen=True)
-class Update:
-    """Every rank's gradient of ``layer`` for step ``t`` is in: check it, then ``action``
-    unless an element is not finite (then nothing is written). Result: ``Updated``."""
-
-    layer: int
-    t: int
-    parts: tuple[Part, ...]  # rank order
-    action: Action
-    grad_scale: float  # the loss scale (a speculative update assumes no clipping)
-    cfg: OptimizerConfig
-    norms: StepNorms | None = None  # SPECULATE: the step's norms, for the guess
-
-
-@dataclass(frozen=True)
-class Updated:
-    checked: Checked
-    rewritten: bool  # the layer's weights changed
-    kept: torch.Tensor | None  # the kept gradient (SPECULATE, HOLD)
-    check_seconds: float
-
-
-@dataclass(frozen=True)
-class Resolve:
-    """The step's decision for a layer whose gradient was kept; the buffer is given back.
-    Result: None."""
-
-    layer: int
-    t: int
-    verdict: Verdict
-    kept: torch.Tensor
-    grad_scale: float  # APPLY, REDO: the step's divisor (loss scale / clipping coefficient)
-    spec_scale: float  # REDO, UNDO: the divisor the speculative update used
-    cfg: OptimizerConfig
-
-
-@dataclass(frozen=True)
-class SaveTicket:
-    requester: Requester | None  # None: a periodic checkpoint
-    path: str
-    target: int  # the step written
-    extra: dict
-
-
-@dataclass(frozen=True)
-class Exclusive:
-    """Run ``fn()`` while no other engine runs anything (checkpoints). Result: its return."""
-
-    fn: Callable[[], Any]
-    what: str
-    ticket: SaveTicket
-
-
-@dataclass
-class Done:
-    job: Any
-    result: Any = None
-    error: BaseException | None = None
-    seconds: float = 0.0
-
-
 def layer_maths(store: LayerStore, cfg: OptimizerConfig, pool: MathPool,
                 buffers: BufferPool) -> list[LayerMath]:
-    """Every layer's optimizer (state created explicitly, zero) and passes."""
-    return [LayerMath(plan, make_optimizer(
-        plan, store.master(plan.index),
-        store.compute(plan.index) if store.compute_region is not None else None, cfg,
-        pool=pool, buffers=buffers), pool, buffers) for plan in store.layout.layers]
+    """Every layer's optimizer (state created explicitly, zero) and passes; in shard mode,
+    over this box's span of each layer."""
+    maths = []
+    for plan, (lo, _) in zip(store.shard_plans, store.spans):
+        compute = (store.compute_shard(plan.index) if store.compute_region is not None
+                   else None)
+        optimizer = make_optimizer(plan, store.master(plan.index), compute, cfg, pool=pool,
+                                   buffers=buffers)
+        optimizer.base = lo  # the span's first element in the layer (bf16 rounding noise)
+        maths.append(LayerMath(plan, optimizer, pool, buffers))
+    return maths
 
 
 # ----------------------------------------------------------------------------- engines
@@ -282,33 +177,85 @@ class Engines:
     def _init(self, job: Init) -> bool:
         if not all_finite(job.data):
             return False
-        self.store.master(job.layer).copy_(job.data)
-        self.store.publish(job.layer)
+        self.store.write_initial(job.layer, job.data)
         return True
 
     def _update(self, job: Update) -> Updated:
         if self.boxes is None:
             return self._update_parts(job, tuple(p.src for p in job.parts))
+        if self.store.sharding is not None:
+            return self._update_shard(job)
         math_ = self.layers[job.layer]  # several boxes: the layer's sum over every box's ranks
         summed = math_.summed(tuple(p.src for p in job.parts))
         try:
             with self.tracer.span(f"boxes L{job.layer}", "reduce"):
                 self.boxes.reduce(job.layer, job.t, summed)
-            updated = self._update_parts(job, (summed,))
+            checked = math_.check((summed,))
+            self._nonfinite_stops(job, checked)
+            checked = Checked((), checked.overflow or bool(checked.refused), checked.norm_sq)
+            return self._update_parts(job, (summed,), checked)
         finally:
             math_.release(summed)
-        if updated.checked.refused:  # after the sum no rank can be told to push again, and
-            # every box found the same: the step cannot complete anywhere; the job stops
+
+    def _update_shard(self, job: Update) -> Updated:
+        """Shard mode: the boxes' sum reduce-scattered, this box's chunk checked and updated
+        (the boxes decide from the whole layer), the served copy all-gathered."""
+        math_, plan = self.layers[job.layer], self.store.plan(job.layer)
+        sharding, (lo, hi) = self.store.sharding, self.store.spans[job.layer]
+        summed = math_.summed(tuple(p.src for p in job.parts), plan.numel,
+                              sharding.padded(plan.numel))
+        chunk = self._buffers.take(sharding.chunk(plan.numel))
+        mine = chunk[:hi - lo]
+        try:
+            with self.tracer.span(f"boxes L{job.layer}", "reduce"):
+                checked = self.boxes.reduce_shard(job.layer, job.t, summed, chunk,
+                                                  lambda: math_.check((mine,)))
+            math_.release(summed)
+            summed = None
+            self._nonfinite_stops(job, checked)
+            updated = self._update_parts(job, (mine,), checked)
+            if updated.rewritten:
+                self._gather(job.layer)
+            return updated
+        finally:
+            math_.release(summed)
+            self._buffers.give(chunk)
+
+    @property
+    def _buffers(self) -> BufferPool:
+        return self.layers[0].buffers  # the one pool every layer's math takes from
+
+    def _gather(self, layer: int) -> None:
+        """Shard mode: every box's chunk of the layer's served copy, into the whole copy."""
+        sharding, plan = self.store.sharding, self.store.plan(layer)
+        served = self.store.compute(layer)
+        lo, hi = self.store.spans[layer]
+        mine = self._buffers.take(sharding.chunk(plan.numel), served.dtype)
+        out = self._buffers.take(sharding.padded(plan.numel), served.dtype)
+        try:
+            mine[:hi - lo].copy_(served[lo:hi])
+            with self.tracer.span(f"gather L{layer}", "reduce"):
+                self.boxes.gather(layer % self.n, layer, mine, out)
+            served.copy_(out[:plan.numel])
+        finally:
+            self._buffers.give(mine)
+            self._buffers.give(out)
+
+    def _nonfinite_stops(self, job: Update, checked: Checked) -> None:
+        """Several boxes: after the sum no rank can be told to push again, and every box found
+        the same; unless fp16's loss scaling skips the step, the job stops on every box."""
+        if not checked.finite and not job.skips_overflow:
             raise self.boxes.fail(f"a non-finite gradient of layer {job.layer} at step {job.t} "
                                   "(from a rank of this box or of another): no box can apply "
                                   "the step")
-        return updated
 
-    def _update_parts(self, job: Update, parts: tuple[torch.Tensor, ...]) -> Updated:
+    def _update_parts(self, job: Update, parts: tuple[torch.Tensor, ...],
+                      checked: Checked | None = None) -> Updated:
         math_ = self.layers[job.layer]
         t0 = time.perf_counter()
-        with self.tracer.span(f"check L{job.layer}", "reduce"):
-            checked = math_.check(parts)
+        if checked is None:  # (several boxes: checked after the boxes' sum)
+            with self.tracer.span(f"check L{job.layer}", "reduce"):
+                checked = math_.check(parts)
         check_seconds = time.perf_counter() - t0
         if job.norms is not None and not checked.finite:
             job.norms.record(job.layer, checked.norm_sq)  # the layers below hold
@@ -339,6 +286,8 @@ class Engines:
                     math_.apply(job.kept, job.t, job.grad_scale, job.cfg)
         finally:
             math_.release(job.kept)
+        if self.boxes is not None and self.store.sharding is not None:
+            self._gather(job.layer)
 
     def _exclusive(self, job: Exclusive):
         with self.tracer.span(job.what, "checkpoint"):

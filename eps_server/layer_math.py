@@ -91,10 +91,23 @@ class LayerMath:
             self.optimizer._gather(parts, kept)
         return kept
 
-    def summed(self, parts) -> torch.Tensor:
-        """sum(parts) in a pooled fp32 buffer (what crosses boxes; ``release`` it)."""
-        out = self.buffers.take(self.plan.numel, torch.float32)
-        self.optimizer._gather(parts, out)
+    def summed(self, parts, numel: int | None = None, padded: int = 0) -> torch.Tensor:
+        """sum(parts) in a pooled fp32 buffer (what crosses boxes; ``release`` it); in shard
+        mode the parts are the whole layer's ``numel`` elements, and the buffer ``padded``
+        long (zeros after the sum)."""
+        if numel is None:
+            out = self.buffers.take(self.plan.numel, torch.float32)
+            self.optimizer._gather(parts, out)
+            return out
+        for p in parts:
+            if p.numel() != numel:
+                raise ValueError(f"gradient of {p.numel()} elements for a layer of {numel}")
+        out = self.buffers.take(padded, torch.float32)
+        out[numel:].zero_()
+        arrays = [kernels.as_kernel_array(p) for p in parts]
+        dst = kernels.as_kernel_array(out)
+        self.pool.map(lambda lo, hi: kernels.gather(tuple(a[lo:hi] for a in arrays),
+                                                    dst[lo:hi]), cut(0, numel))
         return out
 
     def apply(self, kept: torch.Tensor, t: int, grad_scale: float,

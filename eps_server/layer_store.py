@@ -3,7 +3,9 @@
 Regions (all created by the EPS, mode 0600, unlinked by the EPS alone; every name ends with a
 random part, ``-<x>``, so nobody can create one first to make the EPS fail):
   l2l-<run>-master-<x>    fp32 master of every layer, in the flat layout of protocol.tensors
-  l2l-<run>-compute-<x>   compute-precision copy (bf16/fp16 only; with fp32 the master is served)
+                          (--eps-mode shard: this box's span of each layer, back to back)
+  l2l-<run>-compute-<x>   compute-precision copy (bf16/fp16; fp32 only in shard mode, else the
+                          master is served)
   l2l-<run>-grads-r<k>-<dtype>-<x>  rank k's gradient slots, ``grad_slots`` x the largest layer
   l2l-<run>-stash-r<k>-<x>  rank k's stash arena (``--stash eps``), sized by the worker
   l2l-<run>-retained-<x>  (--recovery) each layer's previous served version, copied just
@@ -26,6 +28,7 @@ import secrets
 import torch
 
 from protocol.messages import RegionInfo
+from protocol.shards import Sharding, shard_plan
 from protocol.shm import Region
 from protocol.tensors import DTYPES, LayerPlan, Manifest, plan_layout
 
@@ -34,21 +37,32 @@ log = logging.getLogger(__name__)
 
 class LayerStore:
     def __init__(self, manifest: Manifest, run_id: str, compute_dtype: str,
-                 retain: bool = False):
+                 retain: bool = False, sharding: Sharding | None = None):
         self.manifest = manifest
         self.manifest_hash = manifest.hash()
         self.layout = plan_layout(manifest)
         self.run_id = run_id
         self.compute_dtype = compute_dtype
+        # --eps-mode shard: the master holds this box's span of each layer (shards.py), back
+        # to back; the served copy stays whole (a separate one also in fp32)
+        self.sharding = sharding
+        self.spans = [(0, p.numel) if sharding is None else sharding.span(p.numel)
+                      for p in self.layout.layers]
+        self.shard_plans = []
+        offset = 0
+        for p, (lo, hi) in zip(self.layout.layers, self.spans):
+            self.shard_plans.append(p if sharding is None else shard_plan(p, lo, hi, offset))
+            offset += hi - lo
+        master_numel = self.layout.total_numel if sharding is None else offset
+        separate = compute_dtype != "float32" or sharding is not None
         self.versions = [-1] * len(self.layout.layers)
         self._regions: list[Region] = []
         self._grad_regions: dict[int, Region] = {}
         self._stash_regions: dict[int, Region] = {}
         try:
-            self.master_region = self._create("master", self.layout.nbytes("float32"))
-            self.compute_region = (
-                None if compute_dtype == "float32"
-                else self._create("compute", self.layout.nbytes(compute_dtype)))
+            self.master_region = self._create("master", 4 * max(1, master_numel))
+            self.compute_region = (self._create("compute", self.layout.nbytes(compute_dtype))
+                                   if separate else None)
             self.versions_region = self._create("versions", 8 * len(self.layout.layers))
             self.retained_region = (self._create("retained", self.layout.nbytes(compute_dtype))
                                     if retain else None)
@@ -78,12 +92,27 @@ class LayerStore:
         return self.layout.layers[layer]
 
     def master(self, layer: int) -> torch.Tensor:
-        p = self.layout.layers[layer]
+        """The layer's fp32 master (in shard mode: this box's span of it)."""
+        p = self.shard_plans[layer]
         return self._master[p.offset:p.offset + p.numel]
 
     def compute(self, layer: int) -> torch.Tensor:
+        """The layer's served copy, whole."""
         p = self.layout.layers[layer]
         return self._compute[p.offset:p.offset + p.numel]
+
+    def compute_shard(self, layer: int) -> torch.Tensor:
+        """The part of the served copy that the master's elements are published to."""
+        lo, hi = self.spans[layer]
+        return self.compute(layer)[lo:hi]
+
+    def write_initial(self, layer: int, data: torch.Tensor) -> None:
+        """A layer's initial (or loaded) fp32 values, whole: the master's span of them, and
+        the served copy."""
+        lo, hi = self.spans[layer]
+        self.master(layer).copy_(data[lo:hi])
+        if self.compute_region is not None:
+            self.compute(layer).copy_(data)
 
     @property
     def served_region(self) -> Region:
@@ -97,9 +126,10 @@ class LayerStore:
             self._retained[p.offset:p.offset + p.numel].copy_(self.compute(layer))
 
     def publish(self, layer: int) -> None:
-        """Refresh the compute copy of ``layer`` from its master (no-op for fp32)."""
+        """Refresh the compute copy of ``layer`` from its master (no-op for fp32; in shard
+        mode, the master's span of it)."""
         if self.compute_region is not None:
-            self.compute(layer).copy_(self.master(layer))
+            self.compute_shard(layer).copy_(self.master(layer))
 
     def set_version(self, layer: int, version: int) -> None:
         """Record a layer's version, here and in the shared board. The layer's bytes were

@@ -42,7 +42,8 @@ MAX_OBSERVERS = 256  # control clients remembered before the model exists
 
 def create_core(cfg: ServerConfig, manifest: Manifest, run_id: str, **kw) -> EpsCore:
     """A core for a new model: every region, or none (e.g. shared memory full)."""
-    store = LayerStore(manifest, run_id, cfg.compute_dtype, retain=cfg.recovery)
+    store = LayerStore(manifest, run_id, cfg.compute_dtype, retain=cfg.recovery,
+                       sharding=cfg.boxes.sharding)
     try:
         core = EpsCore(cfg, store, run_id=run_id, **kw)
     except BaseException:

@@ -71,6 +71,7 @@ class LayerOptimizer:
         self.buffers = buffers or BufferPool()
         self.spans = [(group, start, end) for group, (start, end) in plan.groups.items()]
         self.state_dtype = STATE_DTYPES[cfg.states]
+        self.base = 0  # the first element's index in the layer (shard mode: the span's start)
         # On the master's device: CUDA's fused kernels read the step count (and the gradient
         # scale) in the kernel, as torch.optim keeps them for fused=True.
         self.steps = torch.zeros((), dtype=torch.float32, device=master.device)
@@ -166,7 +167,7 @@ class AdamW(LayerOptimizer):
         def piece(lo: int, hi: int, wd: float) -> None:
             kernels.adamw(p[lo:hi], tuple(g[lo:hi] for g in gs), m[lo:hi], v[lo:hi],
                           cc[lo:hi] if cc.shape[0] else cc, k[lo:hi] if k.shape[0] else k,
-                          lo, lr, wd, c.beta1, c.beta2, c.eps, step_size, bc2_sqrt,
+                          self.base + lo, lr, wd, c.beta1, c.beta2, c.eps, step_size, bc2_sqrt,
                           grad_scale, seed_m, seed_v)
 
         self.pool.map(piece, [(lo, hi, self.decay(group, c)) for group, start, end in self.spans
@@ -185,8 +186,9 @@ class AdamW(LayerOptimizer):
 
         def piece(lo: int, hi: int, wd: float) -> None:
             kernels.adamw_undo(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi],
-                               cc[lo:hi] if cc.shape[0] else cc, lo, lr, wd, c.beta1, c.beta2,
-                               c.eps, step_size, bc2_sqrt, grad_scale, first, seed_m, seed_v)
+                               cc[lo:hi] if cc.shape[0] else cc, self.base + lo, lr, wd,
+                               c.beta1, c.beta2, c.eps, step_size, bc2_sqrt, grad_scale, first,
+                               seed_m, seed_v)
 
         self.pool.map(piece, [(lo, hi, self.decay(group, c)) for group, start, end in self.spans
                               for lo, hi in cut(start, end)])

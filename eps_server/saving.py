@@ -15,6 +15,7 @@ from protocol.checkpoints import latest
 from protocol.events import CheckpointFailed
 from protocol.messages import Ack
 
+from .boxes import BoxLost
 from .replies import Out, error_out
 from .stats import EpsStats
 
@@ -93,5 +94,5 @@ class SaveOutcomes:
         try:
             if write():
                 self.written(step, path, final=True)
-        except OSError as e:
+        except (OSError, BoxLost) as e:  # (shard mode: a box gone while they wrote it)
             self.failed(step, path, describe(e), final=True)

@@ -134,7 +134,8 @@ class UpdateScheduler:
         self.pending.add(layer)
         check = self._step(t)
         if check is None:
-            job = Update(layer, t, parts, Action.FINAL, self.scaler.scale, self.cfg.optimizer)
+            job = Update(layer, t, parts, Action.FINAL, self.scaler.scale, self.cfg.optimizer,
+                         skips_overflow=self.cfg.loss_scaling)
         else:
             if check.scale is None:
                 check.scale = check.norms.scale = self.scaler.scale
@@ -143,7 +144,8 @@ class UpdateScheduler:
                      and check.sent.issuperset(range(layer + 1, self.num_layers)))
             check.sent.add(layer)
             job = Update(layer, t, parts, Action.SPECULATE if guess else Action.HOLD,
-                         check.scale, check.cfg, check.norms if guess else None)
+                         check.scale, check.cfg, check.norms if guess else None,
+                         skips_overflow=self.cfg.loss_scaling)
         self._when_released(t, partial(self._submit, job), job)
 
     def _submit(self, job: Update | Resolve) -> None:
@@ -316,7 +318,7 @@ class UpdateScheduler:
         optimizers = [m.optimizer for m in self.engines.layers]
         extra = self.checkpoint_extra()
         write = partial(checkpoint.save, path, self.store, optimizers, extra,
-                        self.cfg.keep_checkpoints)
+                        self.cfg.keep_checkpoints, self.engines.boxes)
         self.engines.exclusive(Exclusive(write, f"checkpoint {target}",
                                          SaveTicket(requester, path, target, extra)))
 
@@ -368,8 +370,13 @@ class UpdateScheduler:
                 self.store.step, _settings(self.checkpoint_extra())):
             log.info("step %d is saved in %s already", self.store.step, path)
             return None
+        boxes = self.engines.boxes
+        if self.store.sharding is not None and boxes.lost:  # every box's part or none
+            log.warning("not writing the final checkpoint: the boxes' group is lost (%s)",
+                        boxes.lost)
+            return None
         checkpoint.save(path, self.store, [m.optimizer for m in self.engines.layers],
-                        self.checkpoint_extra(), self.cfg.keep_checkpoints)
+                        self.checkpoint_extra(), self.cfg.keep_checkpoints, boxes)
         return True
 
 

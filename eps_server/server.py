@@ -101,7 +101,8 @@ class EpsServer:
         # First: a server refused here has touched nothing (regions, checkpoints) of the one
         # serving the socket.
         self._claim = IpcClaim(self.cfg.endpoint)
-        if self.cfg.save:  # made and locked: unwritable or another server's fails now
+        box = self.cfg.boxes  # (a shard job's root is box 0's: the others write into it)
+        if self.cfg.save and (box.sharding is None or box.node_rank == 0):  # made and locked:
             self._holds_root = checkpoint.hold_root(self.cfg.save)
         self._lock = RunLock(self.run_id)  # before any region: ours are never "orphaned"
         if stale := self._lock.remove_stale():
@@ -173,12 +174,12 @@ class EpsServer:
 
     def _warm(self) -> None:
         """Compile the math passes while the workers start (the first step would wait)."""
-        compute = self.cfg.compute_dtype
+        compute, boxes = self.cfg.compute_dtype, self.cfg.boxes
         grads = tuple(dict.fromkeys((DTYPES[compute], torch.float32)))
-        try:
-            kernels.warm(self.cfg.world_size, grads,
-                         None if compute == "float32" else DTYPES[compute],
-                         STATE_DTYPES[self.cfg.optimizer.states])
+        try:  # (several boxes: one part, the boxes' fp32 sum; shard mode: a copy also in fp32)
+            kernels.warm(1 if boxes.nodes > 1 else self.cfg.world_size, grads,
+                         None if compute == "float32" and boxes.sharding is None
+                         else DTYPES[compute], STATE_DTYPES[self.cfg.optimizer.states])
         except Exception:  # only time is lost: the first update compiles what it needs
             log.exception("compiling the math passes ahead failed")
 

@@ -27,7 +27,7 @@ from .config import LaunchArgs, LaunchConfig
 from .console import Console, say, table
 from .launcher import READY_TIMEOUT, Launcher
 from .results import resume_hint
-from .roles import run_role, server_config, under_torchrun, worker_args
+from .roles import exports_checkpoint, run_role, server_config, under_torchrun, worker_args
 from .rundir import private_run_dir, publish_endpoint, withdraw_endpoint
 
 
@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def output_problem(args: LaunchArgs) -> str:
     """Why the job's outputs (--summary-json, --save) cannot be written, or ""."""
+    if exports_checkpoint(args) and not args.server.save:
+        return ("--save in --eps-mode shard with bf16/fp16 needs --server-save: the fp32 "
+                "master is spread over the boxes, and box 0 exports the final checkpoint")
     for option, path in (("--summary-json", args.launch.summary_json),
                          ("--save", args.launch.save)):
         problem = (unwritable(path) if not os.path.isdir(path) else
@@ -179,6 +182,8 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
     t0 = time.perf_counter()
     try:
         code = launcher.run()
+        if code == 0 and exports_checkpoint(args) and args.server.boxes.node_rank == 0:
+            code = export_final(args, launcher)
         summary = summarize(args, launcher, code, time.perf_counter() - t0)
         if args.launch.trace:
             parts = ["trace-eps.json"] + [f"trace-w{r}.json" for r in range(args.launch.workers)]
@@ -216,6 +221,20 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
             for name, line in launcher.console.errors.items():
                 say(f"  [{name}] {line}", sys.stderr)
     return code, summary, launcher
+
+
+def export_final(args: LaunchArgs, launcher: Launcher) -> int:
+    """Box 0 of a shard job in bf16/fp16: --save from the boxes' final checkpoint (fp32)."""
+    from worker.export import export_checkpoint
+
+    try:
+        step = export_checkpoint(args.server.save, os.path.abspath(args.launch.save),
+                                 args.model)
+    except (OSError, ValueError, KeyError) as e:
+        launcher.failure = f"could not export the final checkpoint to --save: {e}"
+        return 1
+    say(f"model of step {step} exported from {args.server.save} to {args.launch.save}")
+    return 0
 
 
 def unwritable(path: str) -> str:

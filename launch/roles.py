@@ -40,8 +40,16 @@ def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,
     w = replace(args.worker, endpoint=endpoint, rank=rank, world_size=a.workers,
                 box=boxes.node_rank, boxes=boxes.nodes,
                 save=os.path.abspath(a.save) if a.save and rank in (0, -1)
-                and boxes.node_rank == 0 else "", summary_json=summary_json, trace=trace)
+                and boxes.node_rank == 0 and not exports_checkpoint(args) else "",
+                summary_json=summary_json, trace=trace)
     return WorkerArgs(worker=w, model=args.model, data=args.data)
+
+
+def exports_checkpoint(args: LaunchArgs) -> bool:
+    """--save is written by box 0's launcher from the final checkpoint, not by a worker: in
+    shard mode with bf16/fp16 compute no box holds the whole fp32 master to serve."""
+    s = args.server
+    return bool(args.launch.save) and s.boxes.sharding is not None and s.precision != "fp32"
 
 
 def under_torchrun(args: LaunchArgs, env=os.environ) -> LaunchArgs:

@@ -60,28 +60,39 @@ def one_box(tmp_path_factory):
     """1 box x n workers, the reference."""
     done = {}
 
-    def get(n: int) -> dict:
-        if n not in done:
+    def get(n: int, *extra: str) -> dict:
+        if (n, extra) not in done:
             tmp = tmp_path_factory.mktemp(f"one{n}")
-            p = subprocess.run([*LAUNCH, "--workers", str(n), *JOB, "--save", str(tmp / "m.st")],
-                               env=ENV, cwd=tmp, capture_output=True, text=True, timeout=240)
+            p = subprocess.run([*LAUNCH, "--workers", str(n), *JOB, *extra, "--save",
+                                str(tmp / "m.st")], env=ENV, cwd=tmp, capture_output=True,
+                               text=True, timeout=240)
             assert p.returncode == 0, p.stderr
-            done[n] = load_file(str(tmp / "m.st"))
-        return done[n]
+            done[n, extra] = load_file(str(tmp / "m.st"))
+        return done[n, extra]
 
     return get
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_n_boxes_of_one_worker_train_as_one_box_of_n(tmp_path, one_box, n):
+CLIP = ("--clip-norm", "0.05")
+
+
+@pytest.mark.parametrize("mode,n,extra", [
+    pytest.param("replicate", 2, (), id="replicate-2"), pytest.param("shard", 2, (), id="shard-2"),
+    pytest.param("replicate", 3, (), marks=pytest.mark.slow, id="replicate-3"),
+    pytest.param("shard", 3, (), marks=pytest.mark.slow, id="shard-3"),
+    pytest.param("shard", 3, CLIP, marks=pytest.mark.slow, id="shard-3-clip")])
+def test_n_boxes_of_one_worker_train_as_one_box_of_n(tmp_path, one_box, mode, n, extra):
     """6 AdamW steps, dropout on: the same global micro-batches, the same sum of gradients (in
     fp32, rank order, here bitwise; the tolerance is FP32's 1e-5 + 1e-4 rel), replicas compared
-    every 2 steps across the boxes."""
-    results = finish(boxes(tmp_path, n))
+    every 2 steps across the boxes. ``shard``: each box updates its third or half of every
+    layer (reduce-scatter, all-gather); the served copies are compared. With global-norm
+    clipping, layers are updated speculatively or held, and redone, undone or applied once the
+    step is decided: each such job gathers its layer again, in one order on every box."""
+    results = finish(boxes(tmp_path, n, "--eps-mode", mode, *extra))
     for r, (code, err) in enumerate(results):
         assert code == 0, f"box {r}: {err}"
     got = load_file(str(tmp_path / "box0" / "m.st"))
-    assert_close(got, one_box(n), atol=1e-5, rtol=1e-4)
+    assert_close(got, one_box(n, *extra), atol=1e-5, rtol=1e-4)
     for r in range(n):
         s = json.loads((tmp_path / f"box{r}" / "s.json").read_text())
         assert s["ok"] and s["steps"] == STEPS and s["world_size"] == 1
@@ -191,11 +202,13 @@ def test_under_torchrun_each_box_runs_one_l2l_launch(tmp_path, one_box):
 
 
 @pytest.mark.slow
-def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path):
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path, mode):
     """Global batch 6 micro-batches (global rank g runs [g*u, (g+1)*u), so every split runs the
-    same ones): 2 boxes x u=3 train 4 steps and checkpoint (a full replica per box); the run
-    resumes from box 0's checkpoint on 1 box (u=6) and on 3 boxes (u=2) to step 8, and both
-    end as 1 box x u=6 trained 8 steps without a stop does."""
+    same ones): 2 boxes x u=3 train 4 steps and checkpoint (replicate: a full replica per box;
+    shard: each box its half, into one shared folder); the run resumes from that checkpoint on
+    1 box (u=6) and on 3 boxes (u=2, the same mode) to step 8, and both end as 1 box x u=6
+    trained 8 steps without a stop does."""
     job = [*JOB, "--micro-batches"]
     ref = tmp_path / "ref"
     ref.mkdir()
@@ -206,10 +219,13 @@ def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path):
     want = load_file(str(ref / "m.st"))
     first = tmp_path / "first"
     first.mkdir()
-    for r, (code, err) in enumerate(finish(boxes(first, 2, "--micro-batches", "3", "--steps",
-                                                 "4", "--server-save", "ck"))):
+    ck = str(first / "ck" if mode == "shard" else first / "box0" / "ck")
+    for r, (code, err) in enumerate(finish(boxes(
+            first, 2, "--micro-batches", "3", "--steps", "4", "--eps-mode", mode,
+            "--server-save", ck if mode == "shard" else "ck"))):
         assert code == 0, f"box {r}: {err}"
-    ck = str(first / "box0" / "ck")
+    state = json.loads((first / ck / "step-00000004" / "state.json").read_text())
+    assert state.get("shards", 0) == (2 if mode == "shard" else 0), state
     one = tmp_path / "one"
     one.mkdir()
     p = subprocess.run([*LAUNCH, "--workers", "1", *job, "6", "--steps", "8", "--load", ck,
@@ -220,25 +236,29 @@ def test_a_two_box_checkpoint_resumes_on_one_box_and_on_three(tmp_path):
     three = tmp_path / "three"
     three.mkdir()
     for r, (code, err) in enumerate(finish(boxes(three, 3, "--micro-batches", "2", "--steps",
-                                                 "8", "--load", ck))):
+                                                 "8", "--load", ck, "--eps-mode", mode))):
         assert code == 0, f"box {r}: {err}"
     assert_close(load_file(str(three / "box0" / "m.st")), want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
 def test_with_restarts_a_dead_box_restarts_every_box_from_the_last_checkpoint(tmp_path,
-                                                                              one_box):
-    """Checkpoints every 2 steps on each box; box 1's EPS is killed once both hold one: box 0's
-    EPS exits (status 3, "another box was lost"), each launcher restarts its job from its
-    last checkpoint, the boxes meet again and the run ends as the failure-free one."""
+                                                                              one_box, mode):
+    """Checkpoints every 2 steps (replicate: each box its own; shard: together, one shared
+    folder); box 1's EPS is killed once there is one: box 0's EPS exits (status 3, "another
+    box was lost"), each launcher restarts its job from the last checkpoint, the boxes meet
+    again and the run ends as the failure-free one."""
     from protocol.checkpoints import latest
 
-    procs = boxes(tmp_path, 2, "--max-restarts", "1", "--server-save", "ck",
-                  "--checkpoint-every", "2", "--steps", "8")
+    roots = [str(tmp_path / "ck" if mode == "shard" else tmp_path / f"box{r}" / "ck")
+             for r in range(2)]
+    procs = boxes(tmp_path, 2, "--max-restarts", "1", "--checkpoint-every", "2", "--steps",
+                  "8", "--eps-mode", mode, per_box=lambda r: ("--server-save", roots[r]))
     try:
         deadline = time.monotonic() + 120
         while True:
-            found = [latest(str(tmp_path / f"box{r}" / "ck")) for r in range(2)]
+            found = [latest(root) for root in roots]
             if all(found) and found[0][1] == found[1][1] < 8:
                 break
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
@@ -263,5 +283,33 @@ def test_with_restarts_a_dead_box_restarts_every_box_from_the_last_checkpoint(tm
                         str(ref / "m.st")], env=ENV, cwd=ref, capture_output=True, text=True,
                        timeout=240)
     assert p.returncode == 0, p.stderr
+    assert_close(load_file(str(tmp_path / "box0" / "m.st")), load_file(str(ref / "m.st")),
+                 atol=1e-5, rtol=1e-4)
+
+
+def test_shard_mode_in_bf16_saves_through_the_final_checkpoint(tmp_path):
+    """No box holds the whole fp32 master to serve: --save needs --server-save (refused at
+    once without it)."""
+    p = subprocess.run([*LAUNCH, "--workers", "1", *JOB, "--nodes", "2", "--eps-mode", "shard",
+                        "--precision", "bf16", "--save", str(tmp_path / "m.st")], env=ENV,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "needs --server-save" in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_shard_mode_in_bf16_exports_the_fp32_master_as_one_box_trains_it(tmp_path):
+    """bf16 compute, fp32 master in halves: box 0's launcher writes --save from the boxes'
+    final checkpoint, and it is what 1 box x 2 workers in bf16 trains (the same sums, the
+    same kernels over each element)."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    p = subprocess.run([*LAUNCH, "--workers", "2", *JOB, "--precision", "bf16", "--save",
+                        str(ref / "m.st")], env=ENV, cwd=ref, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stderr
+    results = finish(boxes(tmp_path, 2, "--eps-mode", "shard", "--precision", "bf16",
+                           "--server-save", str(tmp_path / "ck")))
+    for r, (code, err) in enumerate(results):
+        assert code == 0, f"box {r}: {err}"
     assert_close(load_file(str(tmp_path / "box0" / "m.st")), load_file(str(ref / "m.st")),
                  atol=1e-5, rtol=1e-4)

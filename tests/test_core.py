@@ -382,6 +382,7 @@ class FakeEngines:
 
     def __init__(self):
         self.jobs, self.layers = [], []
+        self.boxes = None
 
     def submit(self, job):
         self.jobs.append(job)

@@ -17,9 +17,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from safetensors import safe_open
-
 from protocol import checkpoints, cli
+from protocol.checkpoint_tensors import CheckpointTensors
 from protocol.tensors import manifest_difference, manifest_from_json, plan_layout
 
 from .config import ModelConfig
@@ -62,10 +61,10 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
                     f"--config runs/{state.get('run_id', '<run id>')}/config.json (its job's)")
         raise ValueError(f"the model options do not describe the checkpoint's model: {why}")
     tensors = {}
-    with safe_open(os.path.join(checkpoint, "master.safetensors"), framework="pt") as f:
-        for plan in plan_layout(manifest).layers:
-            for slot in plan.tensors:
-                tensors[plan.name, slot.name] = f.get_tensor(f"{plan.name}/{slot.name}")
+    reader = CheckpointTensors(checkpoint, state)  # one EPS's files, or a shard job's boxes'
+    for plan in plan_layout(manifest).layers:
+        for name, t in reader.master_tensors(plan).items():
+            tensors[plan.name, name] = t
     model.export(out, tensors, {"format": "pt", "steps": str(step)})
     return step
 
