@@ -38,7 +38,7 @@ from .stats import EpsStats
 
 log = logging.getLogger("eps_server")
 
-PREFIX = "l2l-status/"
+PREFIX = "l2l-status"  # PrefixStore adds the "/": keys l2l-status/<box>
 PUBLISH_EVERY = 1.0  # seconds between publications when no step completes
 LOOK_EVERY = 0.1  # the thread looks for a completed step this often (<= 10 publications/s)
 STALE = 5.0  # a summary unchanged this long is stale; a last read this old: boxes unknown
@@ -71,10 +71,11 @@ def summarize(cfg: ServerConfig, stats: EpsStats, core) -> dict:
     now = core.peers.clock() if core is not None else 0.0
     boxes = core.engines.boxes if core is not None else None
     return {"box": cfg.boxes.node_rank, "host": HOST,
-            "step": max(0, min(versions, default=0)), "newest": max(0, max(versions, default=0)),
-            "steps_completed": stats.steps_completed, "workers": len(workers),
+            "step": int(max(0, min(versions, default=0))),
+            "newest": int(max(0, max(versions, default=0))),
+            "steps_completed": int(stats.steps_completed), "workers": len(workers),
             "alive": sum(now - p.last_seen <= cfg.heartbeat_timeout / 2 for p in workers),
-            "world_size": cfg.world_size, "last_checkpoint": stats.last_checkpoint_step,
+            "world_size": cfg.world_size, "last_checkpoint": int(stats.last_checkpoint_step),
             "lost": bool(getattr(boxes, "lost", None))}
 
 
@@ -82,12 +83,12 @@ def info(summary: dict, state: str, age: float) -> BoxInfo:
     """A summary as StatusReply shows it; ValueError or TypeError if it is not one."""
     if not isinstance(summary, dict) or not all(k in summary for k in SUMMARY):
         raise ValueError("not a box summary")
-    info = BoxInfo(state=state, age=round(age, 3), **{k: summary[k] for k in SUMMARY})
+    box = BoxInfo(state=state, age=round(age, 3), **{k: summary[k] for k in SUMMARY})
     for f in fields(BoxInfo):  # the store is the boxes' own, but a reply must encode
         want = float if f.type == "float" else {"int": int, "str": str, "bool": bool}[f.type]
-        if type(getattr(info, f.name)) is not want:
+        if type(getattr(box, f.name)) is not want:
             raise TypeError(f"{f.name}: not a {f.type}")
-    return info
+    return box
 
 
 @dataclass
