@@ -1,10 +1,12 @@
 """Several boxes on loopback: ``python -m bench multibox``. Each "box" is an l2l-launch with
-its own EPS and workers, the EPSes joined by gloo (--nodes); against one box with the same
-total workers, in the same run: the step time, the engines' time spent in the cross-box
-reductions (turn waits included: what the overlap must hide), and the EPS's host bytes per
-parameter on each box (replicate mode: every box holds everything).
+its own EPS and workers, the EPSes joined by gloo (--nodes); for each number of boxes N and
+each ``--eps-mode``, against one box with the same total workers, in the same run: the step
+time, the engines' time in the cross-box collectives (turn waits included: what the overlap
+must hide), and the EPS's host memory per parameter on each box: ``held`` (master, optimizer
+state, served copy: replicate keeps ~16 B/param in fp32 on every box, shard 4 + 12/N) and
+with the transient gradient buffers at their peak.
 
-On this 2-core machine the boxes share the cores, so the ratio mixes the reduction's cost
+On this 2-core machine the boxes share the cores, so the ratio mixes the collectives' cost
 with contention; docs/multibox.md estimates the overlap on real links from per-layer figures.
 """
 
@@ -18,7 +20,8 @@ from .common import l2l_job, steady_step_seconds, table
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--boxes", type=int, default=2)
+    p.add_argument("--boxes", default="2,3", help="numbers of boxes, comma-separated")
+    p.add_argument("--modes", default="replicate,shard")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--steps", type=int, default=8)
@@ -31,35 +34,49 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _held(summary: dict) -> float:
+    eps = summary["eps"]
+    return eps.get("model_bytes", 0) / max(1, eps["params"])
+
+
 def multibox(a) -> dict:
     model = ["--model", "bert", "--layers", str(a.layers), "--hidden", str(a.hidden),
              "--heads", "4", "--seq-len", "64", "--micro-batch-size", "8",
              "--micro-batches", "2", "--threads", "1", "--server-threads", "1"]
-    one = l2l_job(model, workers=a.boxes, steps=a.steps)
-    port = str(_port())
+    counts = [int(n) for n in str(a.boxes).split(",")]
+    modes = [m for m in a.modes.split(",") if m]
+    rows, out = [], {"targets": []}  # the figures are read against the estimate (docs)
+    for n in counts:
+        one = l2l_job(model, workers=n, steps=a.steps)
+        t_one = steady_step_seconds(one, a.warmup)
+        params = one["eps"]["params"]
+        rows.append([f"1 box x {n} workers", f"{t_one:.3f}", "1.00", "-", "-",
+                     f"{_held(one):.2f}", f"{one['eps'].get('bytes_per_param', 0.0):.2f}"])
+        out[f"one_box_{n}_step_seconds"] = t_one
+        for mode in modes:
+            port = str(_port())
 
-    def box(r: int) -> dict:
-        return l2l_job(model, workers=1, steps=a.steps,
-                       extra=["--nodes", str(a.boxes), "--node-rank", str(r),
-                              "--master-port", port])
+            def box(r: int, n=n, mode=mode, port=port) -> dict:
+                return l2l_job(model, workers=1, steps=a.steps,
+                               extra=["--nodes", str(n), "--node-rank", str(r),
+                                      "--master-port", port, "--eps-mode", mode])
 
-    with ThreadPoolExecutor(a.boxes) as pool:
-        several = list(pool.map(box, range(a.boxes)))
-    t_one = steady_step_seconds(one, a.warmup)
-    t_box = max(steady_step_seconds(s, a.warmup) for s in several)
-    params = one["eps"]["params"]
-    reduce_per_step = max(s["eps"].get("box_reduce_seconds", 0.0) for s in several) / a.steps
-    rows = [["1 box x {} workers: s/step".format(a.boxes), t_one],
-            [f"{a.boxes} boxes x 1 worker: s/step (slowest box)", t_box],
-            ["ratio (several boxes / one box)", t_box / t_one],
-            ["cross-box reductions, engine seconds/step (slowest box)", reduce_per_step],
-            ["fp32 gradient bytes all-reduced per step per box (MB)", 4 * params / 1e6],
-            ["EPS bytes/param held, one box", one["eps"].get("bytes_per_param", 0.0)],
-            *[[f"EPS bytes/param held, box {r} (replicate)", s["eps"].get("bytes_per_param",
-                                                                            0.0)]
-              for r, s in enumerate(several)]]
-    print(table(f"multibox: BERT L={a.layers} H={a.hidden} ({params / 1e6:.1f}M params), "
-                f"T=64 u=2 B=8, replicate, loopback gloo", ["", "value"], rows))
-    return {"params": params, "one_box_step_seconds": t_one, "boxes_step_seconds": t_box,
-            "ratio": t_box / t_one, "box_reduce_seconds_per_step": reduce_per_step,
-            "targets": []}  # the figures are read against the paper estimate (README)
+            with ThreadPoolExecutor(n) as pool:
+                several = list(pool.map(box, range(n)))
+            t_box = max(steady_step_seconds(s, a.warmup) for s in several)
+            reduce_ = max(s["eps"].get("box_reduce_seconds", 0.0) for s in several) / a.steps
+            gather = max(s["eps"].get("box_gather_seconds", 0.0) for s in several) / a.steps
+            held = max(_held(s) for s in several)
+            peak = max(s["eps"].get("bytes_per_param", 0.0) for s in several)
+            rows.append([f"{n} boxes x 1 worker, {mode}", f"{t_box:.3f}", f"{t_box / t_one:.2f}",
+                         f"{reduce_:.3f}", f"{gather:.3f}", f"{held:.2f}", f"{peak:.2f}"])
+            out[f"{mode}_{n}"] = {"step_seconds": t_box, "ratio": t_box / t_one,
+                                  "reduce_seconds_per_step": reduce_,
+                                  "gather_seconds_per_step": gather,
+                                  "held_bytes_per_param": held, "peak_bytes_per_param": peak}
+    print(table(f"multibox: BERT L={a.layers} H={a.hidden} ({params / 1e6:.1f}M params), T=64 "
+                "u=2 B=8, fp32, loopback gloo; engine seconds per step in cross-box "
+                "collectives and EPS bytes/param are the worst box's",
+                ["", "s/step", "ratio to 1 box", "reduce s", "gather s", "held B/param",
+                 "with buffers B/param"], rows))
+    return {"params": params, **out}
