@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from protocol import checkpoints as layout_on_disk
 from protocol.checkpoint_tensors import CheckpointTensors
 from protocol.safetensors_io import write_safetensors
-from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, plan_layout, views
+from protocol.tensors import Manifest, manifest_from_json, manifest_to_json, plan_layout
 
 FORMAT = 2  # 2: a root of checkpoint directories, checksums
 log = logging.getLogger("eps_server")
@@ -159,8 +159,8 @@ def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
     try:
         master, opt_state = [], []
         for plan in store.layout.layers:
-            for slot, view in zip(plan.tensors, views(store.master(plan.index), plan)):
-                master.append((f"{plan.name}/{slot.name}", view))
+            master += [(f"{plan.name}/{slot.name}", view) for frozen in (False, True)
+                       for slot, view in master_views(store, plan, frozen)]
             for key, t in optimizers[plan.index].state_tensors().items():
                 opt_state.append((f"{plan.name}/{key}", t))
         sums = write_tensor_files(tmp, (("master.safetensors", master),
@@ -171,6 +171,14 @@ def _save(root: str, store, optimizers, extra: dict, keep: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return os.path.join(root, name)
+
+
+def master_views(store, plan, frozen: bool) -> list:
+    """(slot, view) of the layer's trained tensors in the master (``frozen``: its frozen ones,
+    in the served copy, whose values they are: written in its dtype, read back as fp32)."""
+    flat = store.compute(plan.index) if frozen else store.master(plan.index)
+    return [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in plan.tensors
+            if (s.group == "frozen") == frozen]
 
 
 def write_tensor_files(tmp: str, files) -> dict:

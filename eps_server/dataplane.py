@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
+
 from protocol.messages import Fetch, GradAck, LayerReady, PushGrad
 
 from .config import ServerConfig
@@ -97,13 +99,27 @@ class DataPlane:
         """Recovery keeps the previous served version (not the master's)."""
         return self.store.retained_region is not None and msg.which == "compute"
 
+    def _master_frame(self, identity: bytes, msg: Fetch, version: int) -> Out:
+        """The fp32 master of a layer the master region does not hold whole: its trainable
+        part from the master, its frozen tensors from the served copy (shard mode in fp32:
+        the served copy, the same values), assembled and sent as a frame."""
+        store, plan = self.store, self.store.plan(msg.layer)
+        flat = store.compute(msg.layer).float()
+        if store.sharding is None:
+            flat[:plan.trainable] = store.master(msg.layer)
+        self.stats.bytes_served_frames += flat.numel() * 4
+        return Out(identity, LayerReady(
+            req_id=msg.req_id, layer=msg.layer, version=version, region="", offset=0,
+            nbytes=flat.numel() * 4, dtype="float32",
+            loss_scale=self.scheduler.scaler.scale), [flat.view(torch.uint8).numpy().data])
+
     def _layer_ready(self, identity: bytes, msg: Fetch, retained: bool = False) -> Out:
         peer, plan, store = self.peers.get(identity), self.store.plan(msg.layer), self.store
         version = store.versions[msg.layer]
         if self._retaining(msg) and (retained or msg.min_version == version - 1):
             region, dtype, version = store.retained_region, store.compute_dtype, msg.min_version
-        elif store.sharding is not None and msg.which == "master":  # (fp32: the whole copy)
-            region, dtype = store.compute_region, "float32"
+        elif msg.which == "master" and not store.whole_master:
+            return self._master_frame(identity, msg, version)
         elif msg.which == "master" or store.compute_region is None:
             region, dtype = store.master_region, "float32"
         else:

@@ -200,11 +200,10 @@ class Engines:
     def _update_shard(self, job: Update) -> Updated:
         """Shard mode: the boxes' sum reduce-scattered, this box's chunk checked and updated
         (the boxes decide from the whole layer), the served copy all-gathered."""
-        math_, plan = self.layers[job.layer], self.store.plan(job.layer)
+        math_, numel = self.layers[job.layer], self.store.plan(job.layer).trainable
         sharding, (lo, hi) = self.store.sharding, self.store.spans[job.layer]
-        summed = math_.summed(tuple(p.src for p in job.parts), plan.numel,
-                              sharding.padded(plan.numel))
-        chunk = self._buffers.take(sharding.chunk(plan.numel))
+        summed = math_.summed(tuple(p.src for p in job.parts), numel, sharding.padded(numel))
+        chunk = self._buffers.take(sharding.chunk(numel))
         mine = chunk[:hi - lo]
         try:
             with self.tracer.span(f"boxes L{job.layer}", "reduce"):
@@ -227,16 +226,16 @@ class Engines:
 
     def _gather(self, layer: int) -> None:
         """Shard mode: every box's chunk of the layer's served copy, into the whole copy."""
-        sharding, plan = self.store.sharding, self.store.plan(layer)
-        served = self.store.compute(layer)
+        sharding, numel = self.store.sharding, self.store.plan(layer).trainable
+        served = self.store.compute(layer)[:numel]  # (frozen tensors after it never change)
         lo, hi = self.store.spans[layer]
-        mine = self._buffers.take(sharding.chunk(plan.numel), served.dtype)
-        out = self._buffers.take(sharding.padded(plan.numel), served.dtype)
+        mine = self._buffers.take(sharding.chunk(numel), served.dtype)
+        out = self._buffers.take(sharding.padded(numel), served.dtype)
         try:
             mine[:hi - lo].copy_(served[lo:hi])
             with self.tracer.span(f"gather L{layer}", "reduce"):
                 self.boxes.gather(layer % self.n, layer, mine, out)
-            served.copy_(out[:plan.numel])
+            served.copy_(out[:numel])
         finally:
             self._buffers.give(mine)
             self._buffers.give(out)

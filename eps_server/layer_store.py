@@ -43,24 +43,25 @@ class LayerStore:
         self.layout = plan_layout(manifest)
         self.run_id = run_id
         self.compute_dtype = compute_dtype
-        # --eps-mode shard: the master holds this box's span of each layer (shards.py), back
-        # to back; the served copy stays whole (a separate one also in fp32)
+        # The master holds each layer's trainable prefix (--freeze: frozen tensors only in the
+        # served copy) or, --eps-mode shard, this box's span of it (protocol/shards.py), back
+        # to back; the served copy stays whole (then a separate one also in fp32).
         self.sharding = sharding
-        self.spans = [(0, p.numel) if sharding is None else sharding.span(p.numel)
+        self.spans = [(0, p.trainable) if sharding is None else sharding.span(p.trainable)
                       for p in self.layout.layers]
         self.shard_plans = []
         offset = 0
         for p, (lo, hi) in zip(self.layout.layers, self.spans):
-            self.shard_plans.append(p if sharding is None else shard_plan(p, lo, hi, offset))
+            whole = (lo, hi) == (0, p.numel) and offset == p.offset
+            self.shard_plans.append(p if whole else shard_plan(p, lo, hi, offset))
             offset += hi - lo
-        master_numel = self.layout.total_numel if sharding is None else offset
-        separate = compute_dtype != "float32" or sharding is not None
+        separate = compute_dtype != "float32" or offset != self.layout.total_numel
         self.versions = [-1] * len(self.layout.layers)
         self._regions: list[Region] = []
         self._grad_regions: dict[int, Region] = {}
         self._stash_regions: dict[int, Region] = {}
         try:
-            self.master_region = self._create("master", 4 * max(1, master_numel))
+            self.master_region = self._create("master", 4 * max(1, offset))
             self.compute_region = (self._create("compute", self.layout.nbytes(compute_dtype))
                                    if separate else None)
             self.versions_region = self._create("versions", 8 * len(self.layout.layers))
@@ -100,6 +101,12 @@ class LayerStore:
         """The layer's served copy, whole."""
         p = self.layout.layers[layer]
         return self._compute[p.offset:p.offset + p.numel]
+
+    @property
+    def whole_master(self) -> bool:
+        """The master region is every layer's whole span (no shards, nothing frozen)."""
+        return self.compute_region is None or all(
+            p is q for p, q in zip(self.shard_plans, self.layout.layers))
 
     def compute_shard(self, layer: int) -> torch.Tensor:
         """The part of the served copy that the master's elements are published to."""

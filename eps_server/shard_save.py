@@ -27,7 +27,7 @@ import torch
 from protocol import checkpoints as layout_on_disk
 from protocol.checkpoint_tensors import shard_files
 
-from .checkpoint import _new_name, commit, write_metadata, write_tensor_files
+from .checkpoint import _new_name, commit, master_views, write_metadata, write_tensor_files
 
 _ROW = 11  # ok, two sizes, two sha256 as 4 int64 each
 
@@ -52,6 +52,9 @@ def save_shards(root: str, store, optimizers, extra: dict, keep: int, boxes) -> 
         master, state = [], []
         for plan in store.layout.layers:
             master.append((f"{plan.name}/master", store.master(plan.index)))
+            if lead:  # --freeze: the frozen tensors, once (every box serves the same)
+                master += [(f"{plan.name}/{slot.name}", view)
+                           for slot, view in master_views(store, plan, frozen=True)]
             for key, t in optimizers[plan.index].state_tensors().items():
                 state.append((f"{plan.name}/{key}", t))
         sums = write_tensor_files(tmp, zip(files, (master, state)))

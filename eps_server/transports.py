@@ -47,11 +47,11 @@ class ShmTransport:
         if frames:
             if msg.slot != -1:
                 raise RequestError("bad_request", "slot must be -1 with a tensor frame", "slot")
-            return frame_tensor(frames[0], msg.dtype, plan.numel)
+            return frame_tensor(frames[0], msg.dtype, plan.trainable)
         if not 0 <= msg.slot < self.slots:
             raise RequestError("bad_request", f"slot must be in [0, {self.slots})", "slot")
         return self.grads.tensor(DTYPES[msg.dtype], msg.slot * self.store.layout.max_layer_numel,
-                                 plan.numel)
+                                 plan.trainable)
 
 
 class FramesTransport:
@@ -70,7 +70,7 @@ class FramesTransport:
                                "tensor frame", "frames")
         if msg.slot != -1:
             raise RequestError("bad_request", "slot must be -1 with a tensor frame", "slot")
-        return frame_tensor(frames[0], msg.dtype, plan.numel)
+        return frame_tensor(frames[0], msg.dtype, plan.trainable)
 
 
 def make_transport(name: str, store: LayerStore, rank: int, grad_dtype: str, slots: int,

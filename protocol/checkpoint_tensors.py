@@ -39,7 +39,8 @@ class CheckpointTensors:
         self._optimizer = [SafetensorsFile(os.path.join(path, o)) for _, o in names]
 
     def master(self, plan: LayerPlan) -> torch.Tensor:
-        """The layer's fp32 master, flat over its span (zeros between its tensors)."""
+        """The layer's fp32 master, flat over its span (zeros between its tensors; frozen
+        tensors as they were served)."""
         flat = torch.zeros(plan.numel, dtype=torch.float32)
         if not self.shards:
             f = self._master[0]
@@ -50,7 +51,11 @@ class CheckpointTensors:
                                      f"{tuple(t.shape)}, expected {slot.shape}")
                 view.copy_(t)
             return flat
-        self._assemble(self._master, plan, "master", flat)
+        self._assemble(self._master, plan, "master", flat[:plan.trainable])
+        for slot in plan.tensors:  # --freeze: box 0's file holds the frozen tensors whole
+            if slot.group == "frozen":
+                flat[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(
+                    self._master[0].get(f"{plan.name}/{slot.name}"))
         return flat
 
     def master_tensors(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
@@ -59,8 +64,8 @@ class CheckpointTensors:
         return {slot.name: view for slot, view in zip(plan.tensors, views(flat, plan))}
 
     def optimizer(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
-        """The layer's optimizer state: per-element tensors flat over its span, scalars (the
-        step count) as they are."""
+        """The layer's optimizer state: per-element tensors flat over its trainable prefix,
+        scalars (the step count) as they are."""
         prefix = f"{plan.name}/"
         keys = [k[len(prefix):] for k in self._optimizer[0].keys() if k.startswith(prefix)]
         if not self.shards:
@@ -71,21 +76,21 @@ class CheckpointTensors:
             if first.dim() == 0:  # the same on every box
                 out[k] = first
                 continue
-            out[k] = torch.empty(plan.numel, dtype=first.dtype)
+            out[k] = torch.empty(plan.trainable, dtype=first.dtype)
             self._assemble(self._optimizer, plan, k, out[k])
         return out
 
     def _assemble(self, files: list[SafetensorsFile], plan: LayerPlan, key: str,
                   out: torch.Tensor) -> None:
-        cuts = Sharding(0, self.shards)
+        cuts = Sharding(0, self.shards)  # (over the trainable prefix: --freeze)
         for r, f in enumerate(files):
-            lo, hi = cuts.span(plan.numel, r)
+            lo, hi = cuts.span(plan.trainable, r)
             name = f"{plan.name}/{key}"
             if name not in f:
                 raise ValueError(f"{f.path}: {name} missing")
             t = f.get(name)
             if t.numel() != hi - lo:
                 raise ValueError(f"{f.path}: {name} has {t.numel()} elements, the shard "
-                                 f"{r} of {self.shards} of a layer of {plan.numel} has "
+                                 f"{r} of {self.shards} of a layer of {plan.trainable} has "
                                  f"{hi - lo}")
             out[lo:hi].copy_(t)

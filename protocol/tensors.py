@@ -52,8 +52,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Optimizer groups, in layout order. "no_decay" is for biases, norms and embeddings' norms.
-GROUPS = ("decay", "no_decay")
+# Optimizer groups, in layout order. "no_decay" is for biases, norms and embeddings' norms;
+# "frozen" tensors (--freeze) are served but never pushed or updated: last in each layer, so
+# a layer's trainable elements are one prefix of its span (``LayerPlan.trainable``).
+GROUPS = ("decay", "no_decay", "frozen")
 
 MAX_NAME_LEN = 200
 MAX_TENSORS_PER_LAYER = 4096
@@ -231,6 +233,12 @@ class LayerPlan:
     def nbytes(self, dtype: str) -> int:
         return self.numel * itemsize(dtype)
 
+    @property
+    def trainable(self) -> int:
+        """Elements of the span that are trained (pushed, updated): a prefix, the frozen
+        tensors after it."""
+        return self.groups["frozen"][0] if "frozen" in self.groups else self.numel
+
     def byte_offset(self, dtype: str) -> int:
         return self.offset * itemsize(dtype)
 
@@ -243,6 +251,11 @@ class Layout:
     @property
     def max_layer_numel(self) -> int:
         return max(p.numel for p in self.layers)
+
+    @property
+    def frozen(self) -> bool:
+        """Some tensor is frozen: the master holds the trainable prefixes only."""
+        return any(p.trainable < p.numel for p in self.layers)
 
     def nbytes(self, dtype: str) -> int:
         return self.total_numel * itemsize(dtype)

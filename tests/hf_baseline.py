@@ -31,7 +31,9 @@ def _stage_modules(hf, model_type: str) -> list:
 
 def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, batch_size: int,
              seq_len: int, lr: float = 1e-3, seed: int = 0, weight_decay: float = 0.01,
-             classes: int = 0) -> dict[str, torch.Tensor]:
+             classes: int = 0, wrap=None) -> dict[str, torch.Tensor]:
+    """``wrap(model)``: the model to train instead (a PEFT model around it: the parameters
+    it leaves trainable get gradients)."""
     import transformers as tf
 
     mcfg = ModelConfig(model=f"hf:{path}", seq_len=seq_len, seed=seed, classes=classes)
@@ -56,6 +58,8 @@ def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, bat
 
     for layer, module in enumerate(_stage_modules(hf, config.model_type)):
         module.register_forward_pre_hook(reseed(layer))
+    if wrap is not None:
+        hf = wrap(hf)
     opt = torch.optim.AdamW(optimizer_groups(hf.named_parameters(), weight_decay), lr=lr)
     task = build_task(layered, data, micro_batch_size=batch_size,
                       global_micro_batches=micro_batches)

@@ -49,6 +49,27 @@ class ModelConfig:
     """gpt: the LM head reads the token embedding (one tensor, trained by both layers)."""
     seed: int = 0
     """Seeds initial weights, data and dropout (all pure functions of it)."""
+    freeze: str = ""
+    """Tensors not to train, as comma-separated globs over the assembled model's parameter
+    names ("<layer>.<tensor>", e.g. "pre.*", "*embed*", "blocks.0.*"): served to the workers
+    and back-propagated through, never given a weight gradient, pushed or updated; the EPS
+    holds only their served copy (no master, no optimizer state). A tied tensor follows its
+    owner."""
+    lora_rank: int = 0
+    """LoRA on a Hugging Face model: the rank r of the adapters added to the blocks' targeted
+    linear layers; the base model is frozen (as --freeze freezes) and only the adapters train,
+    initialised as PEFT does. --save writes the adapter PEFT loads (--merge: the merged model).
+    0: off."""
+    lora_alpha: float = 8.0
+    """LoRA's scale: the update is (alpha / r) B A x (PEFT's lora_alpha)."""
+    lora_targets: str = "q_proj,v_proj"
+    """The linear layers of the blocks that get adapters: their names (the last part of the
+    module's name, e.g. q_proj,k_proj,v_proj,o_proj) or all-linear."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+    merge: bool = False
+    """With LoRA: --save (and l2l-export) write the whole model with the adapter merged into
+    its weights (W + alpha/r B A), not the adapter."""
     init_from: str = ""
     """Initial weights from this safetensors file (the assembled model's names, as --save
     writes them), read one layer at a time; empty: random initialisation from --seed."""
@@ -63,6 +84,12 @@ class ModelConfig:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if not 0 <= self.dropout < 1:
             raise ValueError("dropout must be in [0, 1)")
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ValueError("lora_rank must be >= 0, lora_alpha > 0, lora_dropout in [0, 1)")
+        if self.lora_rank and not self.model.startswith("hf:"):
+            raise ValueError("--lora-rank needs a Hugging Face model (--model hf:DIR)")
+        if self.merge and not self.lora_rank:
+            raise ValueError("--merge merges a LoRA adapter: give --lora-rank")
         # Filled-in values are written back as given (0), so a saved config replayed with
         # another --hidden gets its own ffn (protocol/cli.py to_dict reads as_given).
         self.as_given: dict = {}
@@ -283,4 +310,11 @@ def input_problems(model: ModelConfig, data: DataConfig) -> list[str]:
     for option, path in (("--data", data.data), ("--eval-data", data.eval_data)):
         if path and not os.path.isfile(path):
             out.append(f"{option} {path}: no such file")
+    if model.freeze and not any(out):  # patterns are checked against the model's names
+        from .models import build_model
+
+        try:
+            build_model(model).manifest()
+        except ValueError as e:
+            out.append(str(e))
     return [p for p in out if p]

@@ -38,6 +38,7 @@ from .faults import Fault
 from .heap import heap_trimmer
 from .keep import GraphBudget, Kept, SavedBytes, graph_bytes
 from .models.base import LayeredModel, derive_seed, dropout_seed, seeded
+from .regions import trained
 from .stash import make_stash, members, shaped_like
 from .streams import Streams
 
@@ -88,6 +89,7 @@ class Executor:
                                 len(self.micro_batches))
         self.heap = heap_trimmer(device.type, stash)
         self.budget = budget or GraphBudget(0, device)  # graphs kept under the budget
+        self.trained = trained(self.plans)  # what gets a weight gradient (--freeze)
         # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.
         self.shared: dict[int, set[str]] = {}
         for plan in self.plans:
@@ -204,8 +206,9 @@ class Executor:
                 self.tied[layer, name] = named[name].detach().clone()
         for tie in plan.ties:
             named[tie.name] = self.tied[tie.owner, tie.tensor]
-        if requires_grad:
-            named = {n: t.detach().requires_grad_() for n, t in named.items()}
+        if requires_grad:  # (a frozen tensor: back-propagated through, no gradient)
+            named = {n: t.detach().requires_grad_(n in self.trained[layer][2])
+                     for n, t in named.items()}
         return named
 
     def _forward_with_graph(self, step: int, layer: int, leaves: dict, xs: list,
@@ -250,10 +253,10 @@ class Executor:
             stage = self.binders[plan.kind].bind(leaves)
             with self._waiting("push"):
                 slot, acc = self.source.grad_buffer(plan) if push else (-1, None)
-            targets = list(named_views(acc, plan).values()) if push else []
-            tie_targets = self._tie_grads(plan)
-            mine = [leaves[s.name] for s in plan.tensors] if push else []
-            weights = mine + [leaves[t.name] for t in plan.ties]
+            own, ties, _ = self.trained[layer]
+            targets = list(map(named_views(acc, plan).get, own)) if push else []
+            tie_targets = self._tie_grads(ties)
+            weights = ([leaves[n] for n in own] if push else []) + [leaves[t.name] for t in ties]
             # the visit after this one in this step (its first stash entry is fetched early)
             after_this = prefetch[0] if prefetch is not None and prefetch[1] == step else -1
             for i, batch in enumerate(batches):
@@ -359,11 +362,10 @@ class Executor:
             self.tied.clear()
         return xs
 
-    def _tie_grads(self, plan) -> list[torch.Tensor]:
-        """fp32 accumulators of the gradients of tied tensors, one per owner's tensor, summed
-        over every reader and micro-batch (zeroed at the start of a step)."""
+    def _tie_grads(self, ties) -> list[torch.Tensor]:
+        """fp32 accumulators of tied tensors' gradients (per owner's tensor; every reader)."""
         out = []
-        for tie in plan.ties:
+        for tie in ties:
             key = (tie.owner, tie.tensor)
             if key not in self.tie_grads:
                 self.tie_grads[key] = torch.zeros(tie.shape, dtype=torch.float32,
@@ -375,7 +377,7 @@ class Executor:
         """The owner's gradient also holds what its readers contributed (visited before it)."""
         if layer in self.shared:
             views = named_views(acc, self.plans[layer])
-            for name in self.shared[layer]:
+            for name in self.shared[layer] & self.trained[layer][2]:
                 views[name].add_(self.tie_grads[layer, name])
 
     def _rng(self, step: int, layer: int, i: int):

@@ -63,8 +63,10 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
     tensors = {}
     reader = CheckpointTensors(checkpoint, state)  # one EPS's files, or a shard job's boxes'
     for plan in plan_layout(manifest).layers:
-        for name, t in reader.master_tensors(plan).items():
-            tensors[plan.name, name] = t
+        names = model.exported(plan)  # (a LoRA adapter: its own tensors only)
+        if names:
+            values = reader.master_tensors(plan)
+            tensors.update({(plan.name, n): values[n] for n in names})
     model.export(out, tensors, {"format": "pt", "steps": str(step)})
     return step
 

@@ -44,6 +44,11 @@ class GradPath:
         return slot, self._buffer(slot, plan)
 
     def push(self, step: int, plan: LayerPlan, slot: int, buf: torch.Tensor) -> None:
+        """Push the layer's trainable prefix of ``buf`` (--freeze: the frozen tensors after it
+        have no gradient); a layer with nothing trainable is pushed as a skip."""
+        if not plan.trainable:
+            self.slots.release(slot)
+            return self.skip(step, plan)
         for start, end in self._gaps[plan.index]:  # padding: the slot may hold older data
             buf[start:end].zero_()
         self._pushes.append(self._push(step, plan, slot, buf))
@@ -103,7 +108,8 @@ class ToSlot:
         self.shared, self.non_blocking = shared, non_blocking
 
     def put(self, slot: int, plan: LayerPlan, buf: torch.Tensor):
-        self.shared.slot(slot, plan).copy_(buf, non_blocking=self.non_blocking)
+        n = plan.trainable
+        self.shared.slot(slot, plan)[:n].copy_(buf[:n], non_blocking=self.non_blocking)
         return None
 
 
@@ -115,9 +121,10 @@ class ToFrame:
         self.staging, self.non_blocking = staging, non_blocking
 
     def put(self, slot: int, plan: LayerPlan, buf: torch.Tensor):
-        host = self.staging[slot][:plan.numel] if self.staging else buf
-        if host is not buf:
-            host.copy_(buf, non_blocking=self.non_blocking)
+        n = plan.trainable
+        host = self.staging[slot][:n] if self.staging else buf[:n]
+        if self.staging:
+            host.copy_(buf[:n], non_blocking=self.non_blocking)
         return host.view(torch.uint8).numpy().data
 
 

@@ -110,10 +110,16 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
     """Export the fp32 master at ``version`` in the model's own format (model.export)."""
     tensors, keep = {}, []
     for plan in layout.layers:
+        names = model.exported(plan)  # (a LoRA adapter: its own tensors only)
+        if not names:
+            continue
         ready, frames = client.wait(client.fetch(plan.index, version, which="master"))
-        keep.append(frames)  # frames must outlive the views written below
-        for name, view in named_views(layer_view(regions, plan, ready, frames), plan).items():
-            tensors[plan.name, name] = view
+        views = named_views(layer_view(regions, plan, ready, frames), plan)
+        whole = len(names) == len(plan.tensors)
+        if whole:
+            keep.append(frames)  # frames must outlive the views written below
+        for name in names:
+            tensors[plan.name, name] = views[name] if whole else views[name].clone()
     model.export(path, tensors, metadata)
 
 

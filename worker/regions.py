@@ -163,3 +163,15 @@ def padding_gaps(plan: LayerPlan) -> list[tuple[int, int]]:
     if pos < plan.numel:
         gaps.append((pos, plan.numel))
     return gaps
+
+
+def trained(plans) -> list[tuple[list[str], list, set[str]]]:
+    """Per layer: its own trained tensors' names, its ties to trained tensors, and the names
+    of both: what gets a weight gradient (--freeze: the rest is back-propagated through)."""
+    group = {(p.index, s.name): s.group for p in plans for s in p.tensors}
+    out = []
+    for p in plans:
+        own = [s.name for s in p.tensors if s.group != "frozen"]
+        ties = [t for t in p.ties if group[t.owner, t.tensor] != "frozen"]
+        out.append((own, ties, {*own, *(t.name for t in ties)}))
+    return out

@@ -22,6 +22,7 @@ layer's weights for each visit (``Binder``); the same network as an ordinary ``n
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import struct
 from collections.abc import Iterator, Mapping
@@ -96,6 +97,35 @@ def init_params(module: nn.Module, gen: torch.Generator, std: float = 0.02) -> N
 def param_group(name: str, p: torch.Tensor) -> str:
     """Optimizer group: no weight decay for vectors (biases, norm scales)."""
     return "decay" if p.ndim >= 2 else "no_decay"
+
+
+class Freezer:
+    """--freeze: which tensors are frozen (globs over "<layer>.<tensor>"; a tied tensor as its
+    owner), and a clear error for a pattern that matches nothing or leaves nothing to train."""
+
+    def __init__(self, patterns: str, lora: bool = False):
+        self.patterns = [p.strip() for p in patterns.split(",") if p.strip()]
+        self.used: set[str] = set()
+        self.lora = lora  # only the LoRA adapters train
+
+    def frozen(self, layer: str, tensor: str) -> bool:
+        hits = [p for p in self.patterns if fnmatch.fnmatchcase(f"{layer}.{tensor}", p)]
+        self.used.update(hits)
+        return bool(hits)
+
+    def group(self, layer: str, tensor: str, tie, group: str) -> str:
+        frozen = self.frozen(*tie) if tie is not None else self.frozen(layer, tensor)
+        base = self.lora and not tensor.endswith((".lora_A.weight", ".lora_B.weight"))
+        return "frozen" if frozen or base else group
+
+    def check(self, layers) -> None:
+        unused = [p for p in self.patterns if p not in self.used]
+        if unused:
+            some = ", ".join(f"{la.name}.{t.name}" for la in layers[:2] for t in la.tensors[:2])
+            raise ValueError(f"--freeze {unused[0]!r} matches no tensor (names look like "
+                             f"{some}; l2l-launch --plan lists them)")
+        if self.patterns and all(t.group == "frozen" for la in layers for t in la.tensors):
+            raise ValueError("--freeze leaves nothing to train")
 
 
 def optimizer_groups(named_parameters, weight_decay: float) -> list[dict]:
@@ -220,13 +250,22 @@ class LayeredModel:
 
     def manifest(self) -> Manifest:
         layers, ties = [], self.ties()
+        cfg = self.cfg
+        frozen = Freezer(getattr(cfg, "freeze", ""), bool(getattr(cfg, "lora_rank", 0)))
         for name, kind in self.layer_kinds():
             with torch.device("meta"), SkipInitOnMeta():
                 module = self.make_stage(kind)
             layers.append(LayerSpec(name=name, kind=kind, tensors=tuple(
-                TensorSpec(name=n, shape=tuple(p.shape), group=param_group(n, p),
-                           tie=ties.get((name, n))) for n, p in module.named_parameters())))
+                TensorSpec(name=n, shape=tuple(p.shape), tie=ties.get((name, n)),
+                           group=frozen.group(name, n, ties.get((name, n)),
+                                              param_group(n, p)))
+                for n, p in module.named_parameters())))
+        frozen.check(layers)
         return Manifest(layers=tuple(layers), meta=self.meta())
+
+    def exported(self, plan: LayerPlan) -> list[str]:
+        """The layer's tensors ``export`` writes (all; a LoRA adapter: its own)."""
+        return [s.name for s in plan.tensors]
 
     def template(self, kind: str, device: torch.device | str = "cpu") -> Binder:
         """A module of ``kind`` whose parameters live on the meta device (no memory; they are
@@ -295,6 +334,10 @@ class LayeredModel:
             shared = stages[names.index(owner)].get_parameter(source)
             sub, _, attr = tensor.rpartition(".")
             stages[names.index(reader)].get_submodule(sub)._parameters[attr] = shared
+        for stage, layer in zip(stages, self.manifest().layers):  # --freeze: no gradient
+            for t in layer.tensors:
+                if t.group == "frozen" and t.tie is None:
+                    stage.get_parameter(t.name).requires_grad_(False)
         return AssembledModel(self, stages)
 
 

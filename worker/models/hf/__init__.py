@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
 
 from ...config import hf_dir_problem
+from .. import lora
 from ..base import LayeredModel
 from . import families
 from .checkpoint import HfCheckpoint, export
@@ -81,6 +83,7 @@ class HfModel(LayeredModel):
         self.dropout = max((v for k, v in c.to_dict().items()
                             if isinstance(v, float) and "drop" in k), default=0.0)
         self._kinds = families.block_kinds(c)
+        self.lora_modules: set[str] = set()  # names of the linear layers LoRA adapts
 
     def _labels(self, classes: int) -> None:
         """A sequence classifier's checkpoint decides its labels (--classes may only agree); a
@@ -114,7 +117,21 @@ class HfModel(LayeredModel):
         return super().pad_id(tokenizer)
 
     def make_stage(self, kind: str):
-        return families.make_stage(self.config, self.family, kind)
+        module = families.make_stage(self.config, self.family, kind)
+        cfg = self.cfg
+        if cfg.lora_rank and kind not in ("embed", "head"):  # LoRA on the blocks' linears
+            found = lora.apply(module, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
+                               cfg.lora_dropout)
+            if not found:
+                raise ValueError(f"--lora-targets {cfg.lora_targets} matches no linear layer "
+                                 f"of a {self.config.model_type} block (GPT-2's are Conv1D)")
+            self.lora_modules |= found
+        return module
+
+    def exported(self, plan) -> list[str]:
+        if self.cfg.lora_rank and not self.cfg.merge:  # the adapter alone
+            return [s.name for s in plan.tensors if lora.is_adapter(s.name)]
+        return super().exported(plan)
 
     def layer_kinds(self) -> list[tuple[str, str]]:
         return ([("pre", "embed")] + [(f"blocks.{i}", k) for i, k in enumerate(self._kinds)]
@@ -134,6 +151,8 @@ class HfModel(LayeredModel):
     def loader(self):
         if self._loader is None:
             self._loader = super().loader() if self.cfg.init_from else HfCheckpoint(self)
+            if self.cfg.lora_rank and not self.cfg.init_from:
+                self._loader = lora.LoraInit(self._loader, self.cfg.seed)
         return self._loader
 
     def export_config(self):
@@ -142,7 +161,21 @@ class HfModel(LayeredModel):
         return config
 
     def export(self, path: str, tensors: dict, metadata: dict) -> None:
-        export(self, path, tensors)
+        cfg = self.cfg
+        if not cfg.lora_rank:
+            return export(self, path, tensors)
+        if cfg.merge:
+            return export(self, path, lora.merged(tensors, cfg.lora_alpha / cfg.lora_rank))
+        self.manifest()  # (the targeted modules' names)
+        named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
+                 if lora.is_adapter(n)}
+        lora.adapter_files(path, named, {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM" if self.objective == "lm" else
+            "SEQ_CLS", "base_model_name_or_path": os.path.abspath(self.path),
+            "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+            "target_modules": sorted(self.lora_modules), "bias": "none",
+            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None})
 
     def tokenizer(self):
         from transformers import AutoTokenizer
