@@ -76,6 +76,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-layers", type=int, default=32,
                    help="llama: decoder layers of the Llama-3 8B shape (32: 8.0B parameters)")
     p.add_argument("--llama-states", default="bf16", help="llama: --optimizer-states")
+    p.add_argument("--llama-lora", type=int, default=0,
+                   help="llama: LoRA rank (all-linear adapters, the base frozen); 0: every "
+                   "parameter trains")
     p.add_argument("--hf-layers", type=int, default=22,
                    help="hfpeers: layers of the TinyLlama-shaped model (22: 1.1B parameters)")
     p.add_argument("--hf-us", default="4,8", help="hfpeers: l2l's micro-batches per visit "

@@ -133,12 +133,15 @@ def bench_llama(a) -> dict:
                 "--token-dtype", "uint32", "--seq-len", str(seq), "--micro-batch-size",
                 str(mbs), "--micro-batches", str(u), "--device", a.device, "--threads",
                 str(WORKER_THREADS)]
+        lora = (["--lora-rank", str(a.llama_lora), "--lora-alpha", str(2 * a.llama_lora),
+                 "--lora-targets", "all-linear"] if a.llama_lora else [])
         s = l2l_job(argv, steps=steps, extra=["--precision", "bf16", "--lr", "1e-5",
                                               "--optimizer-states", a.llama_states,
-                                              "--stash", "device"],
+                                              "--stash", "device", *lora],
                     server=["--server-threads", str(a.server_threads)])
     step = steady_step_seconds(s, a.warmup)
-    flops = 6 * params * mbs * u * seq / step
+    flops = (4 if a.llama_lora else 6) * params * mbs * u * seq / step  # LoRA: no weight
+    # gradients for the frozen base (forward 2P, input gradients 2P per token)
     mfu, peak = model_flops_utilisation(a, flops)
     eps = s["eps"]
     rows = [["parameters (B)", params / 1e9], ["model built and saved (s)", made],
@@ -147,8 +150,10 @@ def bench_llama(a) -> dict:
             ["EPS bytes/param held", eps.get("bytes_per_param", 0.0)],
             ["EPS peak RSS growth, bytes/param", eps.get("rss_growth_per_param", 0.0)],
             ["peak device GiB", peak_bytes(s) / GIB]]
-    return {"table": table(f"llama: Llama-3 shape, {layers} layers, bf16, optimizer states "
-                           f"{a.llama_states}, T={seq} u={u} B={mbs}, stash on the device",
+    what = f"LoRA r={a.llama_lora} all-linear" if a.llama_lora else "optimizer states " + \
+        a.llama_states
+    return {"table": table(f"llama: Llama-3 shape, {layers} layers, bf16, {what}, T={seq} "
+                           f"u={u} B={mbs}, stash on the device",
                            ["", "value"], rows),
             "params": params, "step_seconds": step, "mfu": mfu, "peak_tflops": peak,
             "eps": {k: eps.get(k) for k in ("bytes_per_param", "rss_growth_per_param",
