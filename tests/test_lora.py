@@ -109,3 +109,14 @@ def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits,
                                    adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_lora_refuses_a_classifier_whose_head_would_be_new(tmp_path):
+    """Adapters only: a causal LM given --classes (a new, random head) would never learn it."""
+    path = fx.model_dir(tmp_path / "model", "llama")
+    with pytest.raises(ValueError, match="would stay at its random start"):
+        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=3, lora_rank=4))
+    cls = fx.model_dir(tmp_path / "cls", "llama-cls")  # its own head: adapters on its blocks
+    manifest = build_model(ModelConfig(model=f"hf:{cls}", seq_len=SEQ, lora_rank=4)).manifest()
+    trained = {t.name for la in manifest.layers for t in la.tensors if t.group != "frozen"}
+    assert trained and all(".lora_" in n for n in trained)

@@ -66,6 +66,10 @@ class HfModel(LayeredModel):
             log.warning("%s is a %s: trained as a %s from its base model (its own head is not "
                         "read)", self.path, source, trained)
         if self.objective == "classify":
+            if cfg.lora_rank and not (self.reads_head and families.classifies(c)):
+                raise ValueError("--lora-rank trains adapters only: a new classifier head "
+                                 f"({self.path} is not a sequence classifier) would stay "
+                                 "at its random start")
             self._labels(cfg.classes)
         if self.family is families.DECODER_CLASSIFIER and c.pad_token_id is None:
             # pooled at the last token that is not padding: the config names the padding, the
