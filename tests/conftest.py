@@ -32,6 +32,30 @@ def cluster(tmp_path):
         c.close()
 
 
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory):
+    """``failure_free(*options)``: the bytes --save writes for an l2l-launch job with these
+    options that nothing interrupts, run once per session for the tests that interrupt that
+    job and compare its weights (tests/test_recovery.py, tests/test_disk_full.py)."""
+    import subprocess
+
+    from .helpers import ENV
+    from .test_launch import LAUNCH
+
+    done: dict[tuple[str, ...], bytes] = {}
+
+    def get(*options: str) -> bytes:
+        if options not in done:
+            d = tmp_path_factory.mktemp("failure-free")
+            p = subprocess.run([*LAUNCH, *options, "--save", str(d / "m.st")], env=ENV, cwd=d,
+                               capture_output=True, text=True, timeout=240)
+            assert p.returncode == 0, p.stderr
+            done[options] = (d / "m.st").read_bytes()
+        return done[options]
+
+    return get
+
+
 @pytest.fixture
 def make():
     """Harness factory (an in-process EPS core each); every one is closed after the test."""

@@ -64,17 +64,8 @@ def finish(p: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
             p.wait()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    p = subprocess.run([*LAUNCH, *JOB, "--save", str(tmp / "m.st")], env=ENV, cwd=tmp,
-                       capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr
-    return (tmp / "m.st").read_bytes()
-
-
 def test_a_full_disk_is_said_at_once_counted_and_the_job_resumes_from_the_last_good(
-        tmp_path, reference):
+        tmp_path, failure_free):
     """Checkpoints every 2 steps: step 2's is written, step 4's finds the disk full. The
     launcher says so at once in one line (with --quiet), no traceback is logged, the partial
     files are gone and step 2 stays the latest. The EPS is then killed: the job restarts from
@@ -115,7 +106,8 @@ def test_a_full_disk_is_said_at_once_counted_and_the_job_resumes_from_the_last_g
     after = tmp_path / "disk.after" / "ck"
     assert sorted(os.listdir(after)) == sorted([checkpoint.LOCK, LATEST, "step-00000002"])
     assert checkpoint.read_meta(resolve(str(after))).state["step"] == 2  # checksums verified
-    assert (tmp_path / "m.st").read_bytes() == reference
+    # the failure-free run (tests/conftest.py; tests/test_recovery.py's killed EPS's too)
+    assert (tmp_path / "m.st").read_bytes() == failure_free(*JOB)
     assert_nothing_left(endpoint, s["run_id"])
 
 

@@ -27,20 +27,10 @@ TIMEOUT = "2"  # --heartbeat-timeout: a hung worker is declared dead after 2 s o
 JOB = ["--workers", "2", "--steps", str(STEPS), *SMALL, "--heartbeat-timeout", TIMEOUT]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The failure-free run's final weights, per update mode."""
-    done = {}
-
-    def get(update: str) -> bytes:
-        if update not in done:
-            tmp = tmp_path_factory.mktemp(f"ref-{update}")
-            p, s, _ = launch(tmp, *JOB, "--update", update, "--save", str(tmp / "m.st"))
-            assert p.returncode == 0, p.stderr
-            done[update] = (tmp / "m.st").read_bytes()
-        return done[update]
-
-    return get
+@pytest.fixture
+def reference(failure_free):
+    """The failure-free run's final weights, per update mode (tests/conftest.py)."""
+    return lambda update: failure_free(*JOB, "--update", update)
 
 
 def recovered(tmp_path, fault: str, *extra: str) -> tuple[dict, bytes]:
@@ -94,7 +84,7 @@ def test_without_restarts_a_hung_worker_fails_the_job_cleanly(tmp_path):
     assert_nothing_left(endpoint, s["run_id"])
 
 
-def test_a_killed_eps_restarts_the_job_from_its_last_checkpoint(tmp_path, reference):
+def test_a_killed_eps_restarts_the_job_from_its_last_checkpoint(tmp_path, failure_free):
     """K = 2: checkpoints every 2 steps; the EPS is killed once a checkpoint exists, and at
     most K completed steps are trained again."""
     ck, summary, endpoint = tmp_path / "ck", tmp_path / "s.json", f"ipc://{tmp_path}/eps.sock"
@@ -127,13 +117,9 @@ def test_a_killed_eps_restarts_the_job_from_its_last_checkpoint(tmp_path, refere
     assert restart["checkpoint_step"] in range(2, steps, 2)
     assert 0 <= restart["steps_replayed"] <= 2
     assert s["steps"] == steps
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    p2 = subprocess.run([*LAUNCH, "--workers", "2", "--steps", str(steps), *SMALL,
-                         "--save", str(ref / "m.st")], env=ENV, cwd=ref, capture_output=True,
-                        text=True, timeout=240)
-    assert p2.returncode == 0, p2.stderr
-    assert (tmp_path / "m.st").read_bytes() == (ref / "m.st").read_bytes()
+    # the job of tests/test_disk_full.py's reference too: run once for both
+    reference = failure_free("--workers", "2", "--steps", str(steps), *SMALL)
+    assert (tmp_path / "m.st").read_bytes() == reference
     assert not list_regions(f"l2l-{s['run_id']}-")
 
 
