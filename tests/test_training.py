@@ -35,7 +35,11 @@ def l2l(cluster, tmp_path, *, model: str, workers: int, micro_batches: int, step
 
 
 @pytest.mark.parametrize("model, workers, transport", [
-    ("bert", 1, "shm"), ("bert", 2, "shm"), ("gpt", 2, "frames")])
+    # Slow, as the default set has them: one worker against plain training in
+    # test_split_does_not_matter (1 worker x 4 micro-batches), GPT in
+    # test_layer_drop_through_the_eps, frames in test_other_layered_networks_equal_plain_pytorch.
+    pytest.param("bert", 1, "shm", marks=pytest.mark.slow), ("bert", 2, "shm"),
+    pytest.param("gpt", 2, "frames", marks=pytest.mark.slow)])
 def test_l2l_equals_plain_pytorch(cluster, tmp_path, model, workers, transport):
     """FP32 L2L (dropout on, AdamW, u=2, 5 steps) ends with the weights of plain training of
     the assembled model with gradient accumulation over the same micro-batches: every
@@ -65,13 +69,16 @@ def test_global_clipping_equals_clip_grad_norm(cluster, tmp_path, update):
     """--clip-norm clips the global norm as torch.nn.utils.clip_grad_norm_ does, in both update
     modes, 2 workers, AdamW, dropout on: the clip is set between the steps' norms, so some
     steps clip and some do not (eager then takes its speculative updates back and redoes
-    them, or holds the next step); weights within 1e-5 + 1e-4 relative of plain training."""
+    them, or holds the next step); weights within 1e-5 + 1e-4 relative of plain training.
+    The EPS's final checkpoint holds the last step, as test_final_checkpoint_holds_the_last_step
+    (slow) checks without clipping."""
     norms: list[float] = []
     train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS, global_micro_batches=4,
                    batch_size=4, lr=1e-3, clip_norm=1e9, norms=norms)
     clip = sorted(norms)[len(norms) // 2]  # the median: clips about half the steps
+    ckpt = tmp_path / "ckpt"
     got = l2l(cluster, tmp_path, model="bert", workers=2, micro_batches=2,
-              server=("--clip-norm", str(clip), "--update", update))
+              server=("--clip-norm", str(clip), "--update", update, "--server-save", str(ckpt)))
     want = train_resident(ModelConfig(model="bert", **SMALL_CFG), steps=STEPS,
                           global_micro_batches=4, batch_size=4, lr=1e-3, clip_norm=clip)
     assert_close(got, want)
@@ -79,6 +86,9 @@ def test_global_clipping_equals_clip_grad_norm(cluster, tmp_path, update):
              if isinstance(e, ServerStats)][-1].stats
     assert 0 < stats["clipped_steps"] < STEPS
     assert (stats["rollbacks"] > 0) == (update == "eager")
+    state = json.loads(open(os.path.join(resolve(str(ckpt)), "state.json")).read())
+    assert state["step"] == STEPS and set(state["versions"]) == {STEPS}
+    assert "mid-step" not in cluster.log(cluster.server)
 
 
 def test_split_does_not_matter(cluster, tmp_path):
@@ -140,6 +150,7 @@ def test_l2l_equals_plain_pytorch_four_workers_deeper(cluster, tmp_path):
     assert_close(load_file(str(out)), want)
 
 
+@pytest.mark.slow  # test_global_clipping_equals_clip_grad_norm checks it too, in both modes
 @pytest.mark.parametrize("update", ["eager", "deferred"])
 def test_final_checkpoint_holds_the_last_step(cluster, tmp_path, update):
     """The EPS exits after the workers' Bye only once the last updates are in, so its final
@@ -193,7 +204,9 @@ def test_initial_weights_come_from_a_file_layer_by_layer(cluster, tmp_path):
     assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
 
 
-@pytest.mark.parametrize("update", ["eager", "deferred"])
+# deferred: slow (a skip in each update mode is test_core's
+# test_a_layer_every_rank_skips_advances_without_an_update)
+@pytest.mark.parametrize("update", ["eager", pytest.param("deferred", marks=pytest.mark.slow)])
 def test_layer_drop_through_the_eps(cluster, tmp_path, update):
     """2 workers skip the same blocks each step: neither fetched nor pushed, the EPS advances
     their versions without an update; the result equals a resident model leaving the same
