@@ -47,7 +47,11 @@ def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, 
     assert config["architectures"] == [architecture]
 
 
+@pytest.mark.slow  # the default set has test_two_workers_train_the_library_model_exactly[gpt2]
 def test_the_split_does_not_matter_on_text(cluster, tmp_path):
+    """2 workers x 2 micro-batches of text end where 1 worker x 4 does. (In the default set:
+    2 x 2 against the library's model trained on all 4 micro-batches in one process, above,
+    and 1 x 4 against 2 x 2 through the EPS, test_training.py's test_split_does_not_matter.)"""
     path = fx.model_dir(tmp_path / "model", "gpt2")
     data = data_for("gpt2", tmp_path)
     a, _ = job(cluster, 2, path, data, steps=4)
@@ -69,7 +73,7 @@ def test_a_resumed_run_continues_at_the_same_data_position(cluster, tmp_path):
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
-def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path):
+def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path, capsys):
     """l2l-export turns an EPS checkpoint into the directory --save writes (one trained with
     bf16 optimizer moments: export reads the fp32 master only)."""
     path = fx.model_dir(tmp_path / "model", "gpt2")
@@ -84,10 +88,12 @@ def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in saved.items())
-    p = subprocess.run([sys.executable, "-m", "worker.export", "--checkpoint",
-                        str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"), "--model", "gpt"],
-                       env=ENV, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "do not describe the checkpoint's model" in p.stderr
+    from worker.export import main as export  # l2l-export's own main, in this process
+
+    capsys.readouterr()
+    assert export(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"),
+                   "--model", "gpt"]) == 1
+    assert "do not describe the checkpoint's model" in capsys.readouterr().err
 
 
 def test_eval_perplexity_falls_on_a_text_file(tmp_path):
@@ -139,8 +145,10 @@ def test_a_bad_data_file_is_refused_before_training(cluster, tmp_path):
     path = fx.model_dir(tmp_path / "model", "bert")
     bad = tmp_path / "bad.tsv"
     bad.write_text("sentence\tlabel\nthe movie was good\t1\nit was bad\tnegative\n")
-    cluster.start_server(1)
-    w = cluster.worker(0, 1, *SMALL, "--model", f"hf:{path}", "--data", str(bad))
+    started = []  # the worker starts beside the EPS (it would wait for it, then say Hello)
+    cluster.start_server(1, workers=lambda: started.append(cluster.worker(
+        0, 1, *SMALL, "--model", f"hf:{path}", "--data", str(bad))))
+    [w] = started
     assert cluster.wait(w) == 1
     log = cluster.log(w)
     assert "bad.tsv:3: label 'negative' is not an integer" in log
