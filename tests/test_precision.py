@@ -78,7 +78,10 @@ def test_runtime_lr_change_applies_to_the_next_update(cluster, close_clients):
     assert c.status().stats["lr"] == 0.5
 
 
-@pytest.mark.parametrize("update", ["eager", "deferred"])
+# deferred: slow (deferred global clipping: test_training.py's
+# test_global_clipping_equals_clip_grad_norm[deferred], test_core.py's
+# test_eager_global_clipping_equals_deferred)
+@pytest.mark.parametrize("update", ["eager", pytest.param("deferred", marks=pytest.mark.slow)])
 def test_clipping_is_global_and_waits_for_the_step(cluster, close_clients, update):
     """--clip-norm clips the global norm over all layers, as clip_grad_norm_, in both update
     modes; no layer's new version is served before the step's last gradient is in."""
@@ -96,6 +99,7 @@ def test_clipping_is_global_and_waits_for_the_step(cluster, close_clients, updat
     assert c.status().stats["clipped_steps"] == 1
 
 
+@pytest.mark.slow  # test_core.py's test_eager_global_clipping_equals_deferred, in the core
 def test_eager_adamw_is_rolled_back_when_the_step_clips(cluster, close_clients):
     """AdamW can take an update back: eager updates layers 2 and 1 at once (their gradients
     are within the clip); layer 0's takes the step over it, so they are undone and redone
@@ -117,7 +121,9 @@ def test_eager_adamw_is_rolled_back_when_the_step_clips(cluster, close_clients):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("update", ["eager", "deferred"])
+# deferred: slow (each update mode's skip and scale in test_core.py's
+# test_fp16_overflow_skips_and_halves_the_scale)
+@pytest.mark.parametrize("update", ["eager", pytest.param("deferred", marks=pytest.mark.slow)])
 def test_fp16_overflow_is_skipped_and_the_scale_drops(cluster, close_clients, update):
     c = connect(cluster, *SGD, "--precision", "fp16", "--loss-scale", "1024",
                 "--update", update)
