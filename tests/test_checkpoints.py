@@ -26,6 +26,7 @@ from protocol import cli
 from protocol.checkpoints import LATEST, resolve
 from protocol.messages import Ack, Save
 from protocol.tensors import views
+from worker.export import main as export_main
 
 from .helpers import ENV, SMALL
 from .test_core import Harness, grad_of
@@ -311,7 +312,7 @@ def test_a_checkpoint_records_the_job_model_options_and_a_resumed_eps_keeps_them
         ServerConfig(model_options="[1]")
 
 
-def test_l2l_export_needs_no_model_options_for_a_launched_job(tmp_path):
+def test_l2l_export_needs_no_model_options_for_a_launched_job(tmp_path, capsys):
     """A checkpoint of an l2l-launch job records its model options: l2l-export needs none (it
     said "6 layers vs 5" without them); given ones override them."""
     p = subprocess.run([*LAUNCH, "--model", "gpt", *SMALL, "--steps", "2", "--server-save",
@@ -324,12 +325,13 @@ def test_l2l_export_needs_no_model_options_for_a_launched_job(tmp_path):
     saved, exported = (load_file(str(tmp_path / f)) for f in ("m.safetensors", "x.safetensors"))
     assert saved.keys() == exported.keys()
     assert all(torch.equal(saved[k], exported[k]) for k in saved)
-    wrong = subprocess.run([*EXPORT, "--checkpoint", "ckpt", "--out", "y", "--layers", "3"],
-                           env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert wrong.returncode == 1 and "do not describe the checkpoint's model" in wrong.stderr
+    capsys.readouterr()  # l2l-export's main in this process: what its process would exit with
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "y"),
+                        "--layers", "3"]) == 1
+    assert "do not describe the checkpoint's model" in capsys.readouterr().err
 
 
-def test_l2l_export_reads_the_model_from_a_job_file(cluster, tmp_path):
+def test_l2l_export_reads_the_model_from_a_job_file(cluster, tmp_path, capsys):
     """A checkpoint whose EPS was not told the model (started by hand): l2l-export says how to
     give it, and takes l2l-launch's job file (runs/<id>/config.json) with --config, its other
     sections ignored."""
@@ -337,10 +339,11 @@ def test_l2l_export_reads_the_model_from_a_job_file(cluster, tmp_path):
              "16", "--vocab", "64"]
     cluster.run_job(1, *model, *SMALL[-4:], "--steps", "1",
                     server_args=("--server-save", str(tmp_path / "ckpt")))
-    bare = subprocess.run([*EXPORT, "--checkpoint", "ckpt", "--out", "x.safetensors"], env=ENV,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert bare.returncode == 1, bare.stderr
-    assert f"--config runs/{cluster.run_id}/config.json" in bare.stderr, bare.stderr
+    capsys.readouterr()  # l2l-export's main in this process: what its process would exit with
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--out",
+                        str(tmp_path / "x.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert f"--config runs/{cluster.run_id}/config.json" in err, err
     job = cli.parse(LaunchArgs, [*model, "--workers", "2", "--data", "d.txt", "--lr", "0.5"], "t")
     cli.write_file(job, str(tmp_path / "config.json"))
     p = subprocess.run([*EXPORT, "--checkpoint", "ckpt", "--out", "x.safetensors", "--config",

@@ -19,16 +19,14 @@ from protocol.endpoints import check_bind
 from protocol.messages import Bye
 from worker.eps_client import EpsClient, EpsDisconnected, EpsError
 
-from .helpers import ENV, ROOT, SMALL, free_port
+from .helpers import ENV, ROOT, SMALL, Cluster, free_port
 from .test_server import MANIFEST, refused
 
 CTL = [sys.executable, "-m", "launch.ctl"]
 
 
-@pytest.fixture
-def keys(tmp_path):
+def make_keys(d):
     """server, alice and bob (allowed), mallory (not allowed); each NAME.key / NAME.key_secret."""
-    d = tmp_path / "keys"
     subprocess.run([*CTL, "keygen", str(d), "server"], env=ENV, cwd=ROOT, check=True,
                    capture_output=True)
     for name in ("alice", "bob", "mallory"):
@@ -40,11 +38,33 @@ def keys(tmp_path):
 
 
 @pytest.fixture
-def secure(cluster, keys):
+def keys(tmp_path):
+    return make_keys(tmp_path / "keys")
+
+
+def start_secure(cluster, keys):
     cluster.endpoint = f"tcp://127.0.0.1:{free_port()}"
     cluster.start_server(1, "--curve-secret-key", str(keys / "server.key_secret"),
                          "--curve-clients", str(keys / "clients"), "--heartbeat-timeout", "2")
     return cluster
+
+
+@pytest.fixture
+def secure(cluster, keys):
+    return start_secure(cluster, keys)
+
+
+@pytest.fixture(scope="module")
+def secure_for_refusals(tmp_path_factory):
+    """One CURVE EPS (and its keys) for the handshakes that are refused: each leaves it as it
+    was, and each test checks that it still serves."""
+    tmp = tmp_path_factory.mktemp("curve")
+    c = Cluster(tmp)
+    try:
+        keys = make_keys(tmp / "keys")
+        yield start_secure(c, keys), keys
+    finally:
+        c.close()
 
 
 def client(cluster, keys, name: str | None, server: str = "server") -> EpsClient:
@@ -69,8 +89,9 @@ def test_keygen_writes_a_pair_whose_secret_only_its_owner_reads(keys):
     (None, "server", "the EPS requires CURVE"),
     ("alice", "mallory", "wrong server key"),
 ])
-def test_a_client_without_an_allowed_key_is_refused_at_the_handshake(secure, keys, name,
-                                                                      server, why):
+def test_a_client_without_an_allowed_key_is_refused_at_the_handshake(secure_for_refusals,
+                                                                      name, server, why):
+    secure, keys = secure_for_refusals
     c = client(secure, keys, name, server)
     t = time.monotonic()
     try:

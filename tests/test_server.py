@@ -42,6 +42,27 @@ def client(server):
     c.close()
 
 
+@pytest.fixture(scope="module")
+def untouched(tmp_path_factory):
+    """One server as the ``server`` fixture starts it, for the tests whose requests it refuses
+    before any Hello succeeds (so it stays as it started: no rank, no model)."""
+    from .helpers import Cluster
+
+    c = Cluster(tmp_path_factory.mktemp("untouched"))
+    try:
+        c.start_server(1, "--lr", "0.1", "--optimizer", "sgd", "--weight-decay", "0")
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def untouched_client(untouched):
+    c = EpsClient(untouched.endpoint, timeout=20)
+    yield c
+    c.close()
+
+
 def bootstrap(client: EpsClient, transport: str = "frames"):
     welcome = client.hello(rank=0, world_size=1, manifest=MANIFEST, transport=transport,
                            grad_dtype="float32")
@@ -65,14 +86,16 @@ def refused(fut_or_call, code: str, field: str | None = None) -> EpsError:
     return e.value
 
 
-def test_protocol_version_mismatch_is_refused(client):
+def test_protocol_version_mismatch_is_refused(untouched_client):
+    client = untouched_client
     err = refused(lambda: client.hello(rank=0, world_size=1, manifest=MANIFEST, transport="shm",
                                        grad_dtype="float32", protocol_version=PROTOCOL_VERSION + 1),
                   "protocol_version", "protocol_version")
     assert f"server speaks protocol version {PROTOCOL_VERSION}" in str(err)
 
 
-def test_requests_before_hello_and_without_model(client):
+def test_requests_before_hello_and_without_model(untouched_client):
+    client = untouched_client
     refused(lambda: client.wait(client.fetch(0, 0)), "not_registered")
     refused(lambda: client.hello(rank=0, world_size=1, manifest=MANIFEST, transport="shm",
                                  grad_dtype="float32", send_manifest=False),
@@ -127,8 +150,7 @@ def test_bad_pushes_change_nothing(client):
         assert torch.allclose(after[s.offset:s.offset + s.numel], torch.full((s.numel,), 0.9))
 
 
-def test_duplicate_push_in_one_step_is_refused(server, cluster):
-    cluster.close()
+def test_duplicate_push_in_one_step_is_refused(cluster):
     cluster.start_server(2, "--lr", "0.1", "--optimizer", "sgd", "--weight-decay", "0")
     a, b = EpsClient(cluster.endpoint, 20), EpsClient(cluster.endpoint, 20)
     try:
@@ -284,10 +306,10 @@ def test_client_reports_disconnect(server, client):
         client.wait(client.fetch(0, 1))
 
 
-def test_a_future_hello_gets_a_version_error_not_a_decode_error(server):
+def test_a_future_hello_gets_a_version_error_not_a_decode_error(untouched):
     """A client of another protocol version may send fields this server does not know; it
     must still learn that the versions differ."""
-    s = raw_socket(server.endpoint)
+    s = raw_socket(untouched.endpoint)
     body = {"req_id": 5, "protocol_version": PROTOCOL_VERSION + 1, "rank": 0, "world_size": 1,
             "manifest_hash": "x", "capabilities": ["from", "the", "future"]}
     s.send_multipart([b"\x01", msgpack.packb(body)])
