@@ -30,7 +30,8 @@ import torch
 
 from eps_server.buffers import BufferPool
 from eps_server.config import OptimizerConfig, available_cores
-from eps_server.engines import Action, Engines, Part, Update
+from eps_server.engines import Engines
+from eps_server.jobs import Action, Part, Update
 from eps_server.layer_math import LayerMath
 from eps_server.optimizers import make_optimizer
 from eps_server.pool import MathPool

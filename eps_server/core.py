@@ -48,8 +48,9 @@ from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import ServerConfig, with_changes
 from .dataplane import DataPlane
-from .engines import Done, Engines, Exclusive, Init, Requester, Resolve, Update, layer_maths
+from .engines import Engines, layer_maths
 from .errors import RequestError
+from .jobs import Done, Exclusive, Init, Requester, Resolve, Update
 from .layer_store import LayerStore
 from .peers import Peer, Peers, check_control, check_hello, check_model
 from .pool import MathPool
@@ -102,8 +103,7 @@ class EpsCore:
     # ------------------------------------------------------------------------- entry points
 
     def handle(self, peer: bytes, msg: Message, frames: list, key: bytes = b"") -> list[Out]:
-        """Handle one decoded request (``key``: the peer's CURVE public key, if any); the
-        replies due now."""
+        """One decoded request (``key``: the peer's CURVE public key); the replies due now."""
         handler = self._handlers.get(type(msg))
         self.peers.seen(peer)
         try:

@@ -24,8 +24,9 @@ from protocol.messages import Fetch, GradAck, LayerReady, PushGrad
 
 from .config import ServerConfig
 from .contributions import Contributions
-from .engines import Done, Engines, Part, PushTicket, Update
+from .engines import Engines
 from .errors import RequestError
+from .jobs import Done, Part, PushTicket, Update
 from .layer_store import LayerStore
 from .peers import Peers
 from .replies import Out, error_out

@@ -29,20 +29,7 @@ from protocol.trace import NULL, Tracer
 from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import OptimizerConfig
-from .jobs import (  # noqa: F401  (the jobs, re-exported for the engines' users)
-    Action,
-    Done,
-    Exclusive,
-    Init,
-    Part,
-    PushTicket,
-    Requester,
-    Resolve,
-    SaveTicket,
-    Update,
-    Updated,
-    Verdict,
-)
+from .jobs import Action, Done, Exclusive, Init, Resolve, Update, Updated, Verdict
 from .layer_math import Checked, LayerMath, all_finite
 from .layer_store import LayerStore
 from .optimizers import make_optimizer

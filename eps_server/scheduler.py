@@ -36,10 +36,10 @@ from protocol import checkpoints as layout_on_disk
 
 from . import checkpoint
 from .config import OptimizerConfig, ServerConfig
-from .engines import (
+from .engines import Engines
+from .jobs import (
     Action,
     Done,
-    Engines,
     Exclusive,
     Part,
     Requester,

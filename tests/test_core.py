@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 
 from eps_server.config import OptimizerConfig, ServerConfig
 from eps_server.core import EpsCore
-from eps_server.engines import (
+from eps_server.engines import Engines
+from eps_server.jobs import (
     Action,
     Done,
-    Engines,
     Exclusive,
     Part,
     PushTicket,
