@@ -61,6 +61,21 @@ def test_fp32_l2l_on_cuda_equals_resident_training_on_cuda(cluster, tmp_path, wo
     assert_close(got, want)
 
 
+def test_frozen_tensors_on_cuda_train_as_the_resident_model_with_them_frozen(cluster, tmp_path):
+    """--freeze on the GPU: 2 workers on cuda:0, block 1 wholly frozen (pushed as a skip),
+    block 0's attention frozen (a trainable prefix): equal to the resident model trained on
+    the same GPU with those parameters ``requires_grad_(False)``; the frozen tensors unchanged."""
+    freeze = "blocks.1.*,blocks.0.attn.*"
+    got = train(cluster, tmp_path / "m.safetensors", 2, "--freeze", freeze)
+    mcfg = ModelConfig(model="bert", **SMALL_CFG, freeze=freeze)
+    want = train_resident(mcfg, steps=STEPS, global_micro_batches=4, batch_size=4, lr=1e-3,
+                          device="cuda:0")
+    assert_close(got, want)
+    start = train_resident(mcfg, steps=0, global_micro_batches=4, batch_size=4)
+    for name in ("blocks.1.mlp.fc.weight", "blocks.0.attn.qkv.weight"):
+        assert torch.equal(got[name], start[name]), name
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Weights after 4 steps of the default CUDA path: 2 workers on cuda:0, overlap, side
