@@ -18,6 +18,7 @@ import sys
 
 from . import (
     bootstrap,
+    collectives,
     engines,
     flood,
     gpu,
@@ -49,6 +50,7 @@ BENCHMARKS = {
     "metrics": (speed.add_args, speed.metrics),
     "flood": (flood.add_args, flood.flood),
     "multibox": (multibox.add_args, multibox.multibox),
+    "collectives": (collectives.add_args, collectives.collectives),
     "gpu": (gpu.add_args, gpu.gpu),  # see bench/gpu.py; make gpu-check runs it with the tests
 }
 EXTRA = ("scale", "bootstrap", "gpu", "states")  # long, or needing a GPU: not in "all"
