@@ -44,11 +44,11 @@ PIECES = [("transfer", "transfer", [], [], 20, 60),
                               "--warmup", "1"], [], 120, 300),
           ("depth", "depth", ["--depths", "24,48,96"], [], 60, 120),
           ("fsdp2", "peers", ["--peers", "resident,fsdp2,fsdp2-noac"],
-           ["--peers", "resident,fsdp2,fsdp2-noac"], 90, 180),
+           ["--peers", "resident,fsdp2,fsdp2-noac,fsdp2-hostacc"], 90, 180),
           ("mfu", "mfu", ["--mfu-params", "4"], [], 90, 180),
           ("llama", "llama", [], [], 150, 300),
           ("hfpeers", "hfpeers", ["--peers", "resident,fsdp2,fsdp2-noac"],
-           ["--peers", "resident,fsdp2,fsdp2-noac"], 150, 360),
+           ["--peers", "resident,fsdp2,fsdp2-noac,fsdp2-hostacc"], 150, 360),
           ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120, 240)]
 TINY = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
 

@@ -7,8 +7,13 @@ global batch, AdamW) trained as each system's users run it:
                 gradients and AdamW on the host; each block gathered to the GPU for its
                 forward, its recompute and its backward, for every micro-batch), one process,
                 fused CPU AdamW (fused=True, as a PyTorch user passes), per-block activation
-                checkpointing
+                checkpointing, gradient accumulation as FSDP2 offers it
+                (set_requires_gradient_sync(False) but for the last micro-batch: the sum is
+                kept on the GPU in fp32, reduced and offloaded once a step)
     fsdp2-noac  the same without activation checkpointing
+    fsdp2-hostacc  fsdp2 with every micro-batch's gradient reduced and offloaded, summed in
+                host memory (device memory flat in the micro-batches; FSDP2 then copies each
+                gradient out synchronously and adds it on the CPU inside the backward)
     deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
                (DeepSpeedCPUAdam, built at first use), if it is installed
 
@@ -50,8 +55,8 @@ def missing(name: str) -> str:
     """Why peer ``name`` cannot run here ("" if it can), without importing it."""
     if name not in PEERS:
         return f"unknown peer (peers: {', '.join(PEERS)})"
-    module = {"resident": "torch", "fsdp2": "torch.distributed.fsdp",
-              "fsdp2-noac": "torch.distributed.fsdp", "deepspeed": "deepspeed"}[name]
+    module = ("torch.distributed.fsdp" if name.startswith("fsdp2") else
+              {"resident": "torch", "deepspeed": "deepspeed"}[name])
     try:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
@@ -102,7 +107,8 @@ def resident(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: i
 
 def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int, warmup: int,
           device: str, precision: str, lr: float = LR, weight_decay: float = WEIGHT_DECAY,
-          checkpoint: bool = True, data: DataConfig | None = None) -> dict:
+          checkpoint: bool = True, host_accumulation: bool = False,
+          data: DataConfig | None = None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -144,6 +150,7 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
         def step(i: int) -> None:
             total = torch.zeros((), device=dev)
             for index, batch in enumerate(sharder.batches(i, range(micro_batches))):
+                net.set_requires_gradient_sync(host_accumulation or index == micro_batches - 1)
                 loss, _ = net(batch.to(dev), rng=(mcfg.seed, i, index), checkpoint=checkpoint)
                 loss.backward()
                 total += loss.detach()
@@ -237,4 +244,5 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 PEERS = {"resident": resident, "fsdp2": fsdp2,
-         "fsdp2-noac": functools.partial(fsdp2, checkpoint=False), "deepspeed": deepspeed}
+         "fsdp2-noac": functools.partial(fsdp2, checkpoint=False),
+         "fsdp2-hostacc": functools.partial(fsdp2, host_accumulation=True), "deepspeed": deepspeed}

@@ -138,7 +138,7 @@ def test_in_process_baselines_of_the_gpu_benchmarks_run_on_cpu():
     mcfg = ModelConfig(**TINY, seq_len=16, dropout=0.1)
     fit = resident_fit(mcfg, "fp32", "cpu", 0, steps=1, warmup=1, limit=2)
     assert fit["batch"] == 2 and fit["samples_per_sec"] > 0 and fit["peak_bytes"] > 0
-    for name in ("resident", "fsdp2", "fsdp2-noac"):
+    for name in ("resident", "fsdp2", "fsdp2-noac", "fsdp2-hostacc"):
         peer_trains_the_resident_model(name)
 
 
