@@ -213,7 +213,6 @@ class CrossBox:
     def gather(self, engine: int, layer: int, mine: torch.Tensor, out: torch.Tensor) -> None:
         """Shard mode: all-gather every box's chunk of the layer's new served copy (``mine``,
         one chunk) into ``out`` (count x chunk), on ``engine``'s group. Raises BoxLost."""
-
         if self.sequence.broken is not None:
             raise BoxLost(f"an earlier cross-box reduction failed: {self.sequence.broken}")
         t0 = time.perf_counter()
