@@ -38,6 +38,9 @@ from .layer_math import Checked
 log = logging.getLogger("eps_server")
 
 
+AGREE_SLOTS = 64  # checkpoints a box offers when the boxes agree on one to resume from
+
+
 class BoxLost(RuntimeError):
     """A cross-box collective failed or timed out: another box died or is cut off."""
 
@@ -183,6 +186,42 @@ class CrossBox:
             raise BoxLost(f"box {cfg.node_rank} could not join the {cfg.nodes} boxes at "
                           f"{cfg.master_addr}:{cfg.master_port} within {cfg.box_timeout:g} s: "
                           f"{e}") from None
+
+    @staticmethod
+    def agree_on_checkpoint(cfg: BoxesConfig, load: str) -> str:
+        """The checkpoint every box resumes from (after ``join``): the newest step that every
+        box's ``load`` holds, which is not every box's latest when a box's last checkpoint
+        failed (a full disk) or was cut off while the others' was written (keep >= 2
+        checkpoints for this). "" when no box loads one. Raises ValueError when they cannot
+        agree (a restart would not help), BoxLost when the boxes cannot be reached."""
+        import torch.distributed as dist
+
+        from protocol.checkpoints import held
+
+        mine = held(load)[:AGREE_SLOTS] if load else []
+        row = torch.full((AGREE_SLOTS + 1,), -1, dtype=torch.int64)
+        row[0] = int(bool(load))
+        row[1:1 + len(mine)] = torch.tensor([step for step, _ in mine], dtype=torch.int64)
+        every = [torch.empty_like(row) for _ in range(cfg.nodes)]
+        try:
+            dist.all_gather(every, row)
+        except Exception as e:  # gloo: a peer gone (connection closed) or the timeout
+            raise BoxLost(f"the boxes could not compare their checkpoints: {e}") from None
+        steps = [[s for s in other[1:].tolist() if s >= 0] for other in every]
+        if not any(int(other[0]) for other in every):
+            return ""
+        said = "; ".join(f"box {r}: {f'steps {held_}' if int(every[r][0]) else 'no --load'}"
+                         for r, held_ in enumerate(steps))
+        common = set.intersection(*map(set, steps))
+        if not common or not all(int(other[0]) for other in every):
+            raise ValueError(f"the boxes hold no checkpoint of one step to resume from "
+                             f"together ({said})")
+        step = max(common)
+        if step != mine[0][0]:
+            log.warning("box %d: resuming from step %d, the newest checkpoint every box holds "
+                        "(this box's latest is step %d; %s)", cfg.node_rank, step, mine[0][0],
+                        said)
+        return dict(mine)[step]
 
     def reduce(self, layer: int, t: int, grad: torch.Tensor) -> None:
         """All-reduce (sum) ``grad``, this box's fp32 sum of layer ``layer``'s gradient of step

@@ -111,12 +111,14 @@ class EpsServer:
         for run, (count, size) in remove_orphans().items():
             log.warning("removed %d shared-memory regions (%.1f MiB) of run %s, left by a "
                         "server that is gone", count, size / 2**20, run)
+        load = self.cfg.load
         if self.cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
             await asyncio.to_thread(CrossBox.join, self.cfg.boxes)
+            load = await asyncio.to_thread(CrossBox.agree_on_checkpoint, self.cfg.boxes, load)
             self.board = BoxBoard(self.cfg, self.stats, lambda: self.core)
-        if self.cfg.load:
-            self.core = await asyncio.to_thread(load_core, self.cfg, self.cfg.load,
-                                                self.run_id, **self._core_kw)
+        if load:
+            self.core = await asyncio.to_thread(load_core, self.cfg, load, self.run_id,
+                                                **self._core_kw)
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)

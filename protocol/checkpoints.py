@@ -54,6 +54,21 @@ def resolve(path: str) -> str:
     raise FileNotFoundError(f"no checkpoint at {path} (no state.json, no {LATEST})")
 
 
+def held(path: str) -> list[tuple[int, str]]:
+    """(step, directory) of every complete checkpoint ``path`` names, newest first: a
+    checkpoint directory itself, or each of a root's (a step saved twice: its last save)."""
+    if os.path.isfile(os.path.join(path, "state.json")):
+        with open(os.path.join(path, "state.json")) as f:
+            return [(int(json.load(f)["step"]), path)]
+    newest: dict[int, tuple[tuple[int, int], str]] = {}
+    for name in os.listdir(path):
+        order = _order(name)
+        if order and os.path.isdir(os.path.join(path, name)) and \
+                order > newest.get(order[0], ((-1, -1), ""))[0]:
+            newest[order[0]] = (order, os.path.join(path, name))
+    return sorted(((step, d) for step, (_, d) in newest.items()), reverse=True)
+
+
 def _order(name: str) -> tuple[int, int] | None:
     """(step, N) of ``step-<step>[-N]`` (a later save of the same step gets N), else None."""
     step, _, n = name[len(PREFIX):].partition("-")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -301,3 +302,39 @@ def test_shard_mode_in_bf16_exports_the_fp32_master_as_one_box_trains_it(tmp_pat
         assert code == 0, f"box {r}: {err}"
     assert_close(load_file(str(tmp_path / "box0" / "m.st")), one_box(2, "--precision", "bf16"),
                  atol=1e-5, rtol=1e-4)
+
+
+def test_boxes_whose_latest_checkpoints_differ_resume_from_the_newest_they_all_hold(tmp_path,
+                                                                                   one_box):
+    """Box 1's checkpoint of step 4 is gone (its disk was full, or it was cut off while box 0
+    wrote): loaded again, both boxes resume from step 2, the newest step both hold, and end as
+    the failure-free run. Boxes that hold no step in common are refused at once, each saying
+    what every box holds (the EPS's refusal: no restart could help)."""
+    first = tmp_path / "first"
+    first.mkdir()
+    for r, (code, err) in enumerate(finish(boxes(first, 2, "--steps", "4", "--server-save",
+                                                 "ck", "--checkpoint-every", "2",
+                                                 "--keep-checkpoints", "2"))):
+        assert code == 0, f"box {r}: {err}"
+    ck = [first / f"box{r}" / "ck" for r in range(2)]
+    assert {p.name for p in ck[1].glob("step-*")} == {"step-00000002", "step-00000004"}
+    for p in ck[1].glob("step-00000004*"):
+        shutil.rmtree(p)
+    (ck[1] / "latest").write_text("step-00000002")
+    again = tmp_path / "again"
+    again.mkdir()
+    for r, (code, err) in enumerate(finish(boxes(again, 2, per_box=lambda r: (
+            "--load", str(ck[r]))))):
+        assert code == 0, f"box {r}: {err}"
+    log = next((again / "box0" / "runs").glob("*/eps.log")).read_text()
+    assert "box 0: resuming from step 2, the newest checkpoint every box holds" in log, log
+    assert_close(load_file(str(again / "box0" / "m.st")), one_box(2), atol=1e-5, rtol=1e-4)
+
+    shutil.rmtree(ck[0] / "step-00000002")  # box 0 now holds step 4 only, box 1 step 2
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    for r, (code, err) in enumerate(finish(boxes(refused, 2, per_box=lambda r: (
+            "--load", str(ck[r]))))):
+        assert code == 1 and "eps-server exited with status 2 before it was ready" in err, err
+        assert "the boxes hold no checkpoint of one step to resume from together (box 0: " \
+            "steps [4]; box 1: steps [2])" in err, err
