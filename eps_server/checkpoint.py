@@ -287,10 +287,11 @@ def read_meta(path: str) -> Loaded:
     return Loaded(path, manifest, state)
 
 
-def load_into(loaded: Loaded, store, optimizers) -> None:
+def load_into(loaded: Loaded, store, optimizers, progress=lambda done, total: None) -> None:
     """Fill the store (master, served copy) and the optimizers' state from a checkpoint,
     written by one EPS or by the boxes of a shard job, whatever the number of boxes now: each
-    layer is read whole and the store keeps its part (protocol/checkpoint_tensors.py)."""
+    layer is read whole and the store keeps its part (protocol/checkpoint_tensors.py).
+    ``progress(layers done, layers)`` after each layer."""
     tensors = CheckpointTensors(loaded.path, loaded.state)
     for plan in plan_layout(loaded.manifest).layers:
         store.write_initial(plan.index, tensors.master(plan))
@@ -298,3 +299,4 @@ def load_into(loaded: Loaded, store, optimizers) -> None:
         state = {k: t if t.dim() == 0 else t[lo:hi]
                  for k, t in tensors.optimizer(plan).items()}
         optimizers[plan.index].load_state_tensors(state)
+        progress(plan.index + 1, len(optimizers))

@@ -11,7 +11,10 @@ rest.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
+from protocol.events import Starting
 from protocol.messages import (
     REQUESTS,
     Ack,
@@ -27,6 +30,7 @@ from protocol.messages import (
 from protocol.tensors import Manifest
 
 from . import checkpoint
+from .boxes import CrossBox
 from .config import ServerConfig, with_changes
 from .core import EpsCore
 from .errors import RequestError
@@ -54,12 +58,33 @@ def create_core(cfg: ServerConfig, manifest: Manifest, run_id: str, **kw) -> Eps
     return core
 
 
+def join_and_load(cfg: ServerConfig, run_id: str, joined: Callable[[], None], **kw
+                  ) -> EpsCore | None:
+    """Before serving: join the boxes (``--nodes``; then ``joined()``) and agree with them on
+    the checkpoint to resume from; the core resumed from it (--load), else None. Each phase is
+    announced (``notify``: Starting events), and the load's progress about once a second."""
+    load, notify = cfg.load, kw.get("notify", lambda ev: None)
+    if cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
+        notify(Starting(phase="joining", total=cfg.boxes.nodes, patience=cfg.boxes.box_timeout))
+        CrossBox.join(cfg.boxes)
+        load = CrossBox.agree_on_checkpoint(cfg.boxes, load)
+        joined()
+    return load_core(cfg, load, run_id, **kw) if load else None
+
+
 def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
     """A core resumed from a checkpoint: master, optimizer state, loss scaler, step."""
     loaded = checkpoint.read_meta(path)
     core = create_core(cfg, loaded.manifest, run_id, **kw)
+    said, notify = [0.0], kw.get("notify", lambda ev: None)
+
+    def progress(done: int, total: int) -> None:
+        if time.monotonic() - said[0] >= 1.0 or done == total:
+            said[0] = time.monotonic()
+            notify(Starting(phase="loading", done=done, total=total))
     try:
-        checkpoint.load_into(loaded, core.store, [m.optimizer for m in core.engines.layers])
+        checkpoint.load_into(loaded, core.store, [m.optimizer for m in core.engines.layers],
+                             progress)
     except BaseException:
         core.close(final_save=False)
         raise

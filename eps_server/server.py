@@ -41,7 +41,7 @@ from .boxes import CrossBox
 from .config import ServerConfig
 from .core import EpsCore
 from .inbox import Inbox, Throttled, large
-from .lobby import Lobby, load_core
+from .lobby import Lobby, join_and_load
 from .optimizers import STATE_DTYPES
 from .peers import version_text
 from .replies import Out
@@ -111,14 +111,8 @@ class EpsServer:
         for run, (count, size) in remove_orphans().items():
             log.warning("removed %d shared-memory regions (%.1f MiB) of run %s, left by a "
                         "server that is gone", count, size / 2**20, run)
-        load = self.cfg.load
-        if self.cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
-            await asyncio.to_thread(CrossBox.join, self.cfg.boxes)
-            load = await asyncio.to_thread(CrossBox.agree_on_checkpoint, self.cfg.boxes, load)
-            self.board = BoxBoard(self.cfg, self.stats, lambda: self.core)
-        if load:
-            self.core = await asyncio.to_thread(load_core, self.cfg, load, self.run_id,
-                                                **self._core_kw)
+        self.core = await asyncio.to_thread(join_and_load, self.cfg, self.run_id,
+                                            self._board, **self._core_kw)
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -173,6 +167,9 @@ class EpsServer:
         if self._claim is not None:
             self._claim.release()
         return self._close(core)
+
+    def _board(self) -> None:
+        self.board = BoxBoard(self.cfg, self.stats, lambda: self.core)
 
     def _warm(self) -> None:
         """Compile the math passes while the workers start (the first step would wait)."""

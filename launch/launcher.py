@@ -120,6 +120,8 @@ class Launcher:
                     continue
                 if isinstance(ev, events.Ready):
                     self._ready.set()
+                elif isinstance(ev, events.Starting):  # alive: patience counts from now
+                    self._ready_by = time.monotonic() + READY_TIMEOUT + ev.patience
                 elif isinstance(ev, events.PeerLost):
                     with self._lock:
                         self._lost.append(ev)
@@ -213,11 +215,11 @@ class Launcher:
         (they wait for it: --eps-timeout >= READY_TIMEOUT), and one that fails meanwhile is
         seen at once; otherwise they start once it is ready."""
         self._ready.clear()
+        self._ready_by = time.monotonic() + READY_TIMEOUT  # (a Starting event moves it on)
         self.server = self._spawn("eps", [*self.server_argv, *extra])
         everyone = range(len(self.worker_argvs))
         if self.early_workers:
             self._start_workers(everyone, replacement)
-        deadline = time.monotonic() + READY_TIMEOUT
         while not self._ready.wait(0.1):
             if self.server.proc.poll() is not None:
                 self.failure = (f"eps-server "
@@ -225,8 +227,8 @@ class Launcher:
                 return False
             if self.early_workers and not self._check_workers():
                 return False
-            if time.monotonic() > deadline:
-                self.failure = f"eps-server not ready within {READY_TIMEOUT:.0f} s"
+            if time.monotonic() > self._ready_by:
+                self.failure = f"eps-server not ready, and silent for {READY_TIMEOUT:.0f} s"
                 return False
         if not self.early_workers:
             self._start_workers(everyone, replacement)

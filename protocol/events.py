@@ -38,6 +38,20 @@ class Ready:
     pid: int
 
 
+@event("starting")
+class Starting:
+    """The EPS is still starting and alive: ``phase`` "joining" the boxes (it waits up to
+    ``patience`` seconds for them) or "loading" a checkpoint (``done`` of ``total`` layers).
+    Whoever waits for Ready counts its patience from the latest of these, so a long start that
+    shows progress is not taken for a hung one."""
+
+    KIND: ClassVar[str]
+    phase: str
+    done: int = 0
+    total: int = 0
+    patience: float = 0.0
+
+
 @event("joined")
 class Joined:
     """A worker joined the job (``rejoined``: it replaces a dead worker of its rank) and runs

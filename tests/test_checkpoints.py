@@ -161,9 +161,12 @@ def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(t
     for path, written in ((str(root), False), (older, True)):
         before = set(os.listdir(root))
         cfg = replace(trained.cfg, save=str(root), keep_checkpoints=3)
-        core = load_core(cfg, path, cfg.run_id)
+        said = []
+        core = load_core(cfg, path, cfg.run_id, notify=said.append)
         core.close(final_save=True)
         assert (set(os.listdir(root)) != before) is written
+        # the launcher is told the load goes on (its patience counts from the last of these)
+        assert said[0].phase == "loading" and said[-1].done == said[-1].total == 3, said
     assert resolve(str(root)) not in (older, newest)  # the older one, written again
 
 

@@ -296,6 +296,41 @@ def test_a_worker_that_fails_while_the_eps_starts_is_seen_at_once(tmp_path, monk
     assert all(c.proc.poll() is not None for c in job.children)  # the EPS is stopped too
 
 
+FAKE_EPS = """
+import json, os, sys, time
+out = os.fdopen(int(sys.argv[sys.argv.index("--events") + 1][3:]), "w", buffering=1)
+say = lambda **ev: out.write(json.dumps(ev) + "\\n")
+for done in range(1, 9):  # a load that takes 4 s, saying so every 0.5 s
+    time.sleep(0.5)
+    say(event="starting", phase="loading", done=done, total=8, patience=0)
+if sys.argv[1] == "silent":
+    time.sleep(60)
+say(event="ready", endpoint="ipc:///x", run_id="r", pid=os.getpid())
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("then", ["ready", "silent"])
+def test_an_eps_that_says_it_is_loading_is_waited_for_while_it_says_so(tmp_path, monkeypatch,
+                                                                      then):
+    """An EPS that takes longer to start than the launcher's patience (here 2 s) but announces
+    its progress (Starting events: joining the boxes, loading a checkpoint) is waited for;
+    one that then falls silent fails the job after that patience, saying so."""
+    from launch import launcher as mod
+    from launch.console import Console
+
+    monkeypatch.setattr(mod, "READY_TIMEOUT", 2.0)
+    console = Console(4, str(tmp_path), quiet=True, out=io.StringIO(), tty=False)
+    job = mod.Launcher([sys.executable, "-c", FAKE_EPS, then], [], "test-slow-start",
+                       str(tmp_path), 4, console)
+    try:
+        assert job._start_job() == (then == "ready"), job.failure
+        if then == "silent":
+            assert job.failure == "eps-server not ready, and silent for 2 s"
+    finally:
+        job.stop_all()
+
+
 def test_a_restarted_eps_role_resumes_even_from_a_damaged_checkpoint(tmp_path, monkeypatch):
     """--role eps with a checkpoint under --server-save loads it as --load does (where a damaged
     one is refused, naming the file); a damaged one was taken for none: the run started again
