@@ -49,7 +49,8 @@ PIECES = [("transfer", "transfer", [], [], 20, 60),
           ("llama", "llama", [], [], 150, 300),
           ("hfpeers", "hfpeers", ["--peers", "resident,fsdp2,fsdp2-noac"],
            ["--peers", "resident,fsdp2,fsdp2-noac,fsdp2-hostacc"], 150, 360),
-          ("deepspeed", "peers", ["--peers", "deepspeed"], ["--peers", "deepspeed"], 120, 240)]
+          ("deepspeed", "peers", ["--peers", "deepspeed-offload,deepspeed"],
+           ["--peers", "deepspeed-offload,deepspeed"], 120, 300)]
 TINY = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
 
 

@@ -15,7 +15,10 @@ global batch, AdamW) trained as each system's users run it:
                 host memory (device memory flat in the micro-batches; FSDP2 then copies each
                 gradient out synchronously and adds it on the CPU inside the backward)
     deepspeed  DeepSpeed ZeRO-3 with parameter and optimizer offload to the CPU
-               (DeepSpeedCPUAdam, built at first use), if it is installed
+               (DeepSpeedCPUAdam, built at first use), if it is installed: for models whose
+               parameters do not fit the device
+    deepspeed-offload  ZeRO-Offload as its users run a model whose bf16 parameters fit: ZeRO-2,
+               the optimizer (fp32 master, AdamW state) offloaded to DeepSpeedCPUAdam
 
 (``data``: the data file a Hugging Face model reads; the built-in ones make their own.)
 They train with AdamW (by default lr 1e-4, weight decay 0.01 on matrices only, as l2l's EPS)
@@ -56,7 +59,7 @@ def missing(name: str) -> str:
     if name not in PEERS:
         return f"unknown peer (peers: {', '.join(PEERS)})"
     module = ("torch.distributed.fsdp" if name.startswith("fsdp2") else
-              {"resident": "torch", "deepspeed": "deepspeed"}[name])
+              "deepspeed" if name.startswith("deepspeed") else "torch")
     try:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
@@ -181,7 +184,8 @@ class _Loss(nn.Module):
 
 def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
               warmup: int, device: str, precision: str, lr: float = LR,
-              weight_decay: float = WEIGHT_DECAY, data: DataConfig | None = None) -> dict:
+              weight_decay: float = WEIGHT_DECAY, stage: int = 3,
+              data: DataConfig | None = None) -> dict:
     import deepspeed as ds  # an ImportError says it is not installed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -195,9 +199,10 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": micro_batches,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
-        "zero_optimization": {"stage": 3,
-                              "offload_param": {"device": "cpu", "pin_memory": True},
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_optimization": {"stage": stage,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              **({"offload_param": {"device": "cpu", "pin_memory": True}}
+                                 if stage == 3 else {})},
         "bf16": {"enabled": precision == "bf16"},
         "steps_per_print": 1 << 30,
     }
@@ -245,4 +250,5 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 PEERS = {"resident": resident, "fsdp2": fsdp2,
          "fsdp2-noac": functools.partial(fsdp2, checkpoint=False),
-         "fsdp2-hostacc": functools.partial(fsdp2, host_accumulation=True), "deepspeed": deepspeed}
+         "fsdp2-hostacc": functools.partial(fsdp2, host_accumulation=True), "deepspeed": deepspeed,
+         "deepspeed-offload": functools.partial(deepspeed, stage=2)}

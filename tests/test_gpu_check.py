@@ -236,14 +236,16 @@ def test_a_paper_configuration_that_fails_costs_its_row_only(monkeypatch):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_offload_trains_the_resident_model_on_cpu(monkeypatch):
-    """DeepSpeed's runner on its CPU accelerator: the ZeRO-3 configuration, engine calls and
-    CPU Adam the GPU check uses (there in bf16, its offload from the GPU). Its first use
-    compiles DeepSpeed's CPU ops (about 2 minutes on 2 cores; cached afterwards)."""
+@pytest.mark.parametrize("name", ["deepspeed", "deepspeed-offload"])
+def test_deepspeed_offload_trains_the_resident_model_on_cpu(monkeypatch, name):
+    """DeepSpeed's runner on its CPU accelerator: the ZeRO-3 (and ZeRO-2 optimizer offload)
+    configurations, engine calls and CPU Adam the GPU check uses (there in bf16, its offload
+    from the GPU). Its first use compiles DeepSpeed's CPU ops (about 2 minutes on 2 cores;
+    cached afterwards)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # also where there is a GPU
     pytest.importorskip("deepspeed", reason="make test-slow installs DeepSpeed")
     before = dict(os.environ)
-    peer_trains_the_resident_model("deepspeed")
+    peer_trains_the_resident_model(name)
     assert dict(os.environ) == before  # its torch.distributed variables are gone
 
 
@@ -305,7 +307,7 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:
         assert "not installed" in pieces["deepspeed"]["skipped"]
     else:
-        peers["deepspeed"] = ["deepspeed"]
+        peers["deepspeed"] = ["deepspeed", "deepspeed-offload"]
     for piece, names in peers.items():  # fp32 here: the peers and L2L take the same steps
         systems = pieces[piece]["systems"]
         for name in names:
