@@ -79,7 +79,8 @@ def multibox(a) -> dict:
             rows.append([f"{n} boxes x 1 worker, {mode}{said}", f"{t_box:.3f}",
                          f"{t_box / t_one:.2f}", f"{reduce_:.3f}", f"{gather:.3f}",
                          f"{held:.2f}", f"{peak:.2f}"])
-            out[f"{mode}_{n}{'_serial' if serial else ''}"] = {"step_seconds": t_box, "ratio": t_box / t_one,
+            out[f"{mode}_{n}{'_serial' if serial else ''}"] = {
+                                  "step_seconds": t_box, "ratio": t_box / t_one,
                                   "reduce_seconds_per_step": reduce_,
                                   "gather_seconds_per_step": gather,
                                   "held_bytes_per_param": held, "peak_bytes_per_param": peak}

@@ -52,7 +52,7 @@ from .engines import Engines, layer_maths
 from .errors import RequestError
 from .jobs import Done, Exclusive, Init, Requester, Resolve, Update
 from .layer_store import LayerStore
-from .peers import Peer, Peers, check_control, check_hello, check_model
+from .peers import Peer, Peers, check_control, check_hello, check_model, check_one_box
 from .pool import MathPool
 from .replies import Out, Waiting, error_out
 from .saving import SaveOutcomes
@@ -335,13 +335,13 @@ class EpsCore:
             raise RequestError("bad_request", str(e), "path") from None
         if not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
-        if self.store.sharding is not None:  # (box 0 alone would wait for the others)
-            raise RequestError("bad_request", "in shard mode the boxes save together", "path")
+        check_one_box(self.cfg, "save")
         self.scheduler.request_save(msg.path, Requester(identity, msg.req_id))
         return []
 
     def _set_hyper(self, identity: bytes, msg: SetHyper, frames) -> list[Out]:
         check_control(self.cfg, identity in self.peers)
+        check_one_box(self.cfg, "change hyperparameters")
         try:
             self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
         except (ValueError, TypeError) as e:

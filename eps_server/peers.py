@@ -230,3 +230,14 @@ def check_control(cfg: ServerConfig, registered: bool) -> None:
     permissions already restrict peers to this user."""
     if not registered and not cfg.endpoint.startswith("ipc://"):
         raise RequestError("not_registered", "control requests over tcp need a Hello first")
+
+
+def check_one_box(cfg: ServerConfig, what: str) -> None:
+    """``l2l-ctl save`` and ``set`` act on one EPS; with several boxes that would park this
+    box's engines while the others wait in their collectives (save), or make the boxes update
+    with different settings (set: replicas that differ, or shards updated unlike each other)."""
+    if cfg.boxes.nodes > 1:
+        raise RequestError("bad_request", f"a job over {cfg.boxes.nodes} boxes cannot {what} "
+                           "on one box: " + ("its boxes checkpoint together (--checkpoint-every, "
+                                             "and at exit)" if what == "save" else
+                                             "restart it from a checkpoint with the new settings"))

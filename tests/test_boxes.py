@@ -338,3 +338,32 @@ def test_boxes_whose_latest_checkpoints_differ_resume_from_the_newest_they_all_h
         assert code == 1 and "eps-server exited with status 2 before it was ready" in err, err
         assert "the boxes hold no checkpoint of one step to resume from together (box 0: " \
             "steps [4]; box 1: steps [2])" in err, err
+
+
+def test_one_box_of_several_refuses_a_save_or_a_setting_of_its_own(tmp_path):
+    """l2l-ctl save and set reach one EPS: with several boxes a save would park this box's
+    engines while the others wait in their collectives, and a setting would make the boxes
+    update differently (replicas that differ; in shard mode, chunks updated unlike each other).
+    Both are refused, saying what to do instead; one box alone takes them."""
+    from eps_server.config import BoxesConfig
+    from protocol.messages import Save, SetHyper
+
+    from .test_core import Harness, error
+
+    for nodes in (2, 1):  # (no collective runs here: a core of box 0 needs no group for this)
+        h = Harness(1, boxes=BoxesConfig(nodes=nodes))
+        try:
+            h.bootstrap()
+            h.send(0, Save(req_id=1, path=str(tmp_path / f"ck{nodes}")))
+            h.send(0, SetHyper(req_id=2, changes={"lr": 0.25}))
+            if nodes == 1:
+                assert h.take(0, 2).msg.optimizer["lr"] == 0.25
+                continue
+            said = error(h.take(0, 1)).message
+            assert said == ("a job over 2 boxes cannot save on one box: its boxes checkpoint "
+                            "together (--checkpoint-every, and at exit)"), said
+            said = error(h.take(0, 2)).message
+            assert said.startswith("a job over 2 boxes cannot change hyperparameters on one box"
+                                   ": restart it from a checkpoint"), said
+        finally:
+            h.close()
