@@ -133,12 +133,13 @@ class CrossBox:
     the engines whose all-gathers run on groups of their own (``gather``)."""
 
     def __init__(self, cfg: BoxesConfig, layers: int, start: Callable[[], int], replicas,
-                 engines: int = 0):
+                 engines: int = 0, version: Callable[[int], int] | None = None):
         import torch.distributed as dist
 
         self.cfg = cfg
         self.sequence = Sequence(layers, start)
         self._replicas = replicas
+        self._version = version or (lambda layer: 1 << 62)  # a layer's published version
         self.reduce_seconds = 0.0  # time engines waited on cross-box reductions
         self.gather_seconds = 0.0  # (shard) time engines spent in all-gathers
         self.checks = 0
@@ -158,7 +159,7 @@ class CrossBox:
         replicas = [(store.compute if sharded else store.master)(i)
                     for i in range(store.num_layers)]
         return cls(cfg, store.num_layers, lambda: max(store.step, 0), replicas,
-                   engines if sharded else 0)
+                   engines if sharded else 0, lambda layer: store.versions[layer])
 
     @staticmethod
     def engines(cfg) -> int:
@@ -338,11 +339,15 @@ class CrossBox:
         return None if broken is None else str(broken)
 
     def _compare(self, t: int) -> None:
-        """Every layer is at version t here (the step's updates wait their turn behind this
-        one): the boxes' checksums of their masters must be equal."""
+        """The boxes' checksums of their replicas must be equal, for every layer that each box
+        has at version t. (Its step-t update waits its turn behind this one; but a layer that
+        LayerDrop dropped in step t may still be taking its step t-1 update on another engine:
+        its version is t once that is done.)"""
         import torch.distributed as dist
 
-        mine = torch.tensor([t] + [checksum(m) for m in self._replicas], dtype=torch.int64)
+        ready = [int(self._version(i) >= t) for i in range(len(self._replicas))]
+        sums = [checksum(m) if r else 0 for m, r in zip(self._replicas, ready)]
+        mine = torch.tensor([t, *sums, *ready], dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.cfg.nodes)]
         dist.all_gather(every, mine)
         self.checks += 1
@@ -350,7 +355,7 @@ class CrossBox:
         if len(set(steps)) > 1:
             raise BoxLost(f"the boxes are at different steps {steps} (box by box): they "
                           "resumed from different checkpoints")
-        bad = sorted({int(i) - 1 for other in every for i in torch.nonzero(other != mine)})
+        bad = differing(every, len(self._replicas))
         if bad:
             raise BoxLost(f"the replicas differ at step {t} in layers {bad}: box "
                           f"{self.cfg.node_rank}'s checksums are not every box's")
@@ -366,6 +371,14 @@ class CrossBox:
                 dist.destroy_process_group()
             except Exception:  # a group whose peers are gone: nothing left to tidy
                 pass
+
+
+def differing(rows: list[torch.Tensor], layers: int) -> list[int]:
+    """The layers whose checksums differ between the boxes' rows ([t, checksums, ready]),
+    among those that every box had ready."""
+    sums = torch.stack([row[1:1 + layers] for row in rows])
+    ready = torch.stack([row[1 + layers:] for row in rows]).bool().all(dim=0)
+    return [i for i in range(layers) if ready[i] and bool((sums[:, i] != sums[0, i]).any())]
 
 
 def checksum(t: torch.Tensor) -> int:

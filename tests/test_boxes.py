@@ -177,6 +177,27 @@ def test_the_sequence_puts_every_box_s_collectives_in_one_order():
         seq.wait_turn((6, 2), 1.0)
 
 
+def test_replicas_are_compared_where_every_box_has_the_layer_at_the_step():
+    """A layer that LayerDrop dropped in step t may still be taking its step t-1 update on one
+    box while the boxes compare: where a box has it at an older version its checksum is not
+    read (0) and the layer is not compared; every other layer is, and a difference there is
+    found."""
+    import torch
+
+    from eps_server.boxes import differing
+
+    def row(sums, ready):
+        return torch.tensor([7, *sums, *ready], dtype=torch.int64)
+
+    same = [row([11, 22, 33], [1, 1, 1]), row([11, 22, 33], [1, 1, 1])]
+    assert differing(same, 3) == []
+    mid_update = [row([11, 22, 33], [1, 1, 1]), row([11, 0, 33], [1, 0, 1])]
+    assert differing(mid_update, 3) == []
+    assert differing([row([11, 22, 33], [1, 1, 1]), row([11, 0, 34], [1, 0, 1]),
+                      row([11, 22, 33], [1, 1, 1])], 3) == [2]
+    assert differing([row([12, 22, 33], [1, 1, 1]), row([11, 22, 33], [1, 1, 1])], 3) == [0]
+
+
 @pytest.mark.slow
 def test_under_torchrun_each_box_runs_one_l2l_launch(tmp_path, one_box):
     """torchrun --nnodes 2 --nproc-per-node 1 on each "box" runs l2l-launch, which takes the
