@@ -186,12 +186,15 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
               warmup: int, device: str, precision: str, lr: float = LR,
               weight_decay: float = WEIGHT_DECAY, stage: int = 3,
               data: DataConfig | None = None) -> dict:
+    env = dict(os.environ)  # (importing DeepSpeed, and its engine, set variables of their own)
     import deepspeed as ds  # an ImportError says it is not installed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     dev = torch.device(device)
     if get_accelerator().device_name() != dev.type:
+        os.environ.clear()
+        os.environ.update(env)
         raise RuntimeError(f"DeepSpeed's accelerator is {get_accelerator().device_name()!r}, "
                            f"not {dev.type!r}: ZeRO-3 offload needs CUDA, or DS_ACCELERATOR=cpu "
                            "on a CPU")
@@ -207,7 +210,6 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         "steps_per_print": 1 << 30,
     }
     net = _Loss(build_model(mcfg).assemble().train(), mcfg.seed)
-    env = {k: os.environ.get(k) for k in _DIST_ENV}
     os.environ.update(RANK="0", LOCAL_RANK=str(dev.index or 0), WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
     engine = None
@@ -238,14 +240,19 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
             engine.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _forget_groups()
+        os.environ.clear()
+        os.environ.update(env)
 
 
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+def _forget_groups() -> None:
+    """DeepSpeed keeps the process groups it made in module globals (utils/groups.py): once
+    the group is destroyed, the next engine in this process would use the dead ones."""
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.endswith(("_GROUP", "_GROUPS")) and value is not None:
+            setattr(groups, name, {} if isinstance(value, dict) else None)
 
 
 PEERS = {"resident": resident, "fsdp2": fsdp2,
