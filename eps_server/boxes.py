@@ -199,7 +199,11 @@ class CrossBox:
 
         from protocol.checkpoints import held
 
-        mine = held(load)[:AGREE_SLOTS] if load else []
+        mine, unreadable = [], None
+        try:  # (a box that cannot read its own still takes part: the others must hear it)
+            mine = held(load)[:AGREE_SLOTS] if load else []
+        except (OSError, ValueError) as e:
+            unreadable = e
         row = torch.full((AGREE_SLOTS + 1,), -1, dtype=torch.int64)
         row[0] = int(bool(load))
         row[1:1 + len(mine)] = torch.tensor([step for step, _ in mine], dtype=torch.int64)
@@ -208,6 +212,8 @@ class CrossBox:
             dist.all_gather(every, row)
         except Exception as e:  # gloo: a peer gone (connection closed) or the timeout
             raise BoxLost(f"the boxes could not compare their checkpoints: {e}") from None
+        if unreadable is not None:
+            raise ValueError(f"--load {load}: {unreadable}")
         steps = [[s for s in other[1:].tolist() if s >= 0] for other in every]
         if not any(int(other[0]) for other in every):
             return ""

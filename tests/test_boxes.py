@@ -359,6 +359,13 @@ def test_boxes_whose_latest_checkpoints_differ_resume_from_the_newest_they_all_h
         assert code == 1 and "eps-server exited with status 2 before it was ready" in err, err
         assert "the boxes hold no checkpoint of one step to resume from together (box 0: " \
             "steps [4]; box 1: steps [2])" in err, err
+    missing = tmp_path / "missing"
+    missing.mkdir()  # a box that cannot read its --load still answers the others at once
+    out = finish(boxes(missing, 2, per_box=lambda r: ("--load", str(ck[0] if r == 0 else
+                                                                  tmp_path / "nowhere"))))
+    assert "(box 0: steps [4]; box 1: steps [])" in out[0][1], out[0][1]
+    assert f"--load {tmp_path / 'nowhere'}: " in out[1][1], out[1][1]
+    assert all(code == 1 and "status 2 before it was ready" in err for code, err in out), out
 
 
 def test_one_box_of_several_refuses_a_save_or_a_setting_of_its_own(tmp_path):
