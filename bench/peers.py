@@ -193,8 +193,7 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
 
     dev = torch.device(device)
     if get_accelerator().device_name() != dev.type:
-        os.environ.clear()
-        os.environ.update(env)
+        _restore(env)
         raise RuntimeError(f"DeepSpeed's accelerator is {get_accelerator().device_name()!r}, "
                            f"not {dev.type!r}: ZeRO-3 offload needs CUDA, or DS_ACCELERATOR=cpu "
                            "on a CPU")
@@ -241,8 +240,14 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
         if dist.is_initialized():
             dist.destroy_process_group()
         _forget_groups()
-        os.environ.clear()
-        os.environ.update(env)
+        _restore(env)
+
+
+def _restore(env: dict) -> None:
+    """The environment as it was: the variables set since removed, the ones changed put back."""
+    for k in set(os.environ) - set(env):
+        del os.environ[k]
+    os.environ.update(env)
 
 
 def _forget_groups() -> None:

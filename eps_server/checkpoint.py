@@ -271,11 +271,12 @@ class Loaded:
     state: dict
 
 
-def read_meta(path: str) -> Loaded:
+def read_meta(path: str, checked=lambda name: None) -> Loaded:
     """The checkpoint at ``path`` (a root's latest, or a checkpoint directory), its files
-    checked against their checksums: a damaged one is refused naming the file."""
+    checked against their checksums (``checked(name)`` after each): a damaged one is refused
+    naming the file."""
     path = layout_on_disk.resolve(path)
-    layout_on_disk.verify(path)
+    layout_on_disk.verify(path, checked)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = manifest_from_json(json.load(f))
     with open(os.path.join(path, "state.json")) as f:

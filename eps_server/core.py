@@ -329,13 +329,13 @@ class EpsCore:
 
     def _save(self, identity: bytes, msg: Save, frames) -> list[Out]:
         check_control(self.cfg, identity in self.peers)
+        check_one_box(self.cfg, "save")
         try:  # a path this process cannot write is refused now, with the OS's reason
             checkpoint.check_writable(msg.path)
         except ValueError as e:
             raise RequestError("bad_request", str(e), "path") from None
         if not self.store.initialised:
             raise RequestError("not_ready", "nothing to save: the model is not initialised")
-        check_one_box(self.cfg, "save")
         self.scheduler.request_save(msg.path, Requester(identity, msg.req_id))
         return []
 

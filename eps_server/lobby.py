@@ -35,7 +35,7 @@ from .config import ServerConfig, with_changes
 from .core import EpsCore
 from .errors import RequestError
 from .layer_store import LayerStore
-from .peers import Peer, check_control, check_hello
+from .peers import Peer, check_control, check_hello, check_one_box
 from .replies import Out, error_out
 from .stats import EpsStats, peak_memory_bytes
 
@@ -74,9 +74,11 @@ def join_and_load(cfg: ServerConfig, run_id: str, joined: Callable[[], None], **
 
 def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
     """A core resumed from a checkpoint: master, optimizer state, loss scaler, step."""
-    loaded = checkpoint.read_meta(path)
+    notify = kw.get("notify", lambda ev: None)  # (Starting: the launcher's patience)
+    notify(Starting(phase="checking"))
+    loaded = checkpoint.read_meta(path, lambda name: notify(Starting(phase="checking")))
     core = create_core(cfg, loaded.manifest, run_id, **kw)
-    said, notify = [0.0], kw.get("notify", lambda ev: None)
+    said = [0.0]
 
     def progress(done: int, total: int) -> None:
         if time.monotonic() - said[0] >= 1.0 or done == total:
@@ -164,6 +166,7 @@ class Lobby:
                        "lr": self.cfg.optimizer.lr}))
         if isinstance(msg, SetHyper):
             check_control(self.cfg, peer in self.observers)
+            check_one_box(self.cfg, "change hyperparameters")
             try:
                 self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
             except (ValueError, TypeError) as e:
@@ -171,6 +174,7 @@ class Lobby:
             return Out(peer, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))
         if isinstance(msg, Save):
             check_control(self.cfg, peer in self.observers)
+            check_one_box(self.cfg, "save")
             try:
                 checkpoint.check_target(msg.path)
             except ValueError as e:

@@ -56,14 +56,16 @@ def resolve(path: str) -> str:
 
 def held(path: str) -> list[tuple[int, str]]:
     """(step, directory) of every complete checkpoint ``path`` names, newest first: a
-    checkpoint directory itself, or each of a root's (a step saved twice: its last save)."""
+    checkpoint directory itself, or each of a root's up to the one ``resolve`` picks (a root
+    may also hold newer ones of an abandoned history; a step saved twice: its last save)."""
     if os.path.isfile(os.path.join(path, "state.json")):
         with open(os.path.join(path, "state.json")) as f:
             return [(int(json.load(f)["step"]), path)]
+    upto = _order(os.path.basename(resolve(path))) or (1 << 62, 0)
     newest: dict[int, tuple[tuple[int, int], str]] = {}
     for name in os.listdir(path):
         order = _order(name)
-        if order and os.path.isdir(os.path.join(path, name)) and \
+        if order and order <= upto and os.path.isdir(os.path.join(path, name)) and \
                 order > newest.get(order[0], ((-1, -1), ""))[0]:
             newest[order[0]] = (order, os.path.join(path, name))
     return sorted(((step, d) for step, (_, d) in newest.items()), reverse=True)
@@ -85,9 +87,10 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def verify(directory: str) -> None:
+def verify(directory: str, checked=lambda name: None) -> None:
     """Raise ValueError naming the first file of ``directory`` that is missing, truncated or
-    changed since it was written (checksums.json), or if there are no checksums at all."""
+    changed since it was written (checksums.json), or if there are no checksums at all;
+    ``checked(name)`` after each file."""
     listed = os.path.join(directory, CHECKSUMS)
     try:
         with open(listed) as f:
@@ -105,6 +108,7 @@ def verify(directory: str) -> None:
             raise ValueError(f"{path}: {size} bytes, {want['size']} were written (truncated?)")
         if sha256_file(path) != want["sha256"]:
             raise ValueError(f"{path}: checksum mismatch (damaged)")
+        checked(name)
 
 
 def latest(root: str) -> tuple[str, int] | None:

@@ -381,6 +381,9 @@ def test_one_box_of_several_refuses_a_save_or_a_setting_of_its_own(tmp_path):
     for nodes in (2, 1):  # (no collective runs here: a core of box 0 needs no group for this)
         h = Harness(1, boxes=BoxesConfig(nodes=nodes))
         try:
+            h.send(0, SetHyper(req_id=3, changes={"lr": 0.125}))  # before the model: the lobby
+            if nodes > 1:
+                assert "cannot change hyperparameters on one box" in error(h.take(0, 3)).message
             h.bootstrap()
             h.send(0, Save(req_id=1, path=str(tmp_path / f"ck{nodes}")))
             h.send(0, SetHyper(req_id=2, changes={"lr": 0.25}))

@@ -23,7 +23,7 @@ from eps_server.lobby import load_core
 from eps_server.optimizers import STATE_DTYPES
 from launch.config import LaunchArgs
 from protocol import cli
-from protocol.checkpoints import LATEST, resolve
+from protocol.checkpoints import CHECKSUMS, LATEST, resolve
 from protocol.messages import Ack, Save
 from protocol.tensors import views
 from worker.export import main as export_main
@@ -166,7 +166,11 @@ def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(t
         core.close(final_save=True)
         assert (set(os.listdir(root)) != before) is written
         # the launcher is told the load goes on (its patience counts from the last of these)
-        assert said[0].phase == "loading" and said[-1].done == said[-1].total == 3, said
+        phases = [ev.phase for ev in said]  # checking each file (and before), then loading
+        assert phases[0] == "checking" and phases[-1] == "loading", said
+        assert phases.count("checking") == 1 + len(json.loads(
+            open(os.path.join(resolve(path), CHECKSUMS)).read())), said
+        assert said[-1].done == said[-1].total == 3, said
     assert resolve(str(root)) not in (older, newest)  # the older one, written again
 
 
@@ -354,3 +358,20 @@ def test_l2l_export_reads_the_model_from_a_job_file(cluster, tmp_path, capsys):
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "x.safetensors").exists()
+
+
+def test_the_checkpoints_a_root_offers_end_at_its_latest(tmp_path):
+    """What a box offers when the boxes agree on a checkpoint (protocol.checkpoints.held):
+    every complete one of the root up to the one --load would pick (latest), newest first, a
+    step saved twice by its last save; not a newer one of an abandoned history, nor one still
+    being written."""
+    from protocol.checkpoints import held
+
+    for name in ("step-00000002", "step-00000004", "step-00000004-1", "step-00000100",
+                 ".step-00000006.tmp"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest").write_text("step-00000004-1")
+    assert held(str(tmp_path)) == [(4, str(tmp_path / "step-00000004-1")),
+                                   (2, str(tmp_path / "step-00000002"))]
+    (tmp_path / "latest").unlink()  # (a writer stopped before its first pointer: the newest)
+    assert [step for step, _ in held(str(tmp_path))] == [100, 4, 2]
