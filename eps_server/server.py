@@ -134,7 +134,8 @@ class EpsServer:
         if self.cfg.metrics_port:
             self._metrics = metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host,
                                           self.cfg.insecure, self.stats, lambda: self.core)
-        self.events.emit(Ready(endpoint=endpoint, run_id=self.run_id, pid=os.getpid()))
+        self.events.emit(Ready(endpoint=endpoint, run_id=self.run_id, pid=os.getpid(),
+                               step=self.core.store.step if self.core else 0))
         log.info("listening on %s (run %s, world size %d, %s, %s updates)", endpoint,
                  self.run_id, self.cfg.world_size, self.cfg.precision, self.cfg.update)
         receiver = asyncio.create_task(self._receive())

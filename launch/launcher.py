@@ -36,13 +36,11 @@ from protocol.shm import unlink_run
 
 from .children import Child, reaped, signal_group, stop
 from .console import Console
-from .results import checkpoint_failure, eval_result, step_row
+from .results import checkpoint_failure, eval_line, eval_result, step_row
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
 BYE_GRACE = 3.0  # on a stop, the workers' head start over the EPS
-
-
 NO_FAULT = ["--fault", ""]  # a replacement never inherits a test's fault
 
 
@@ -51,14 +49,10 @@ class Launcher:
                  run_dir: str, steps: int, console: Console, max_restarts: int = 0,
                  checkpoints: str = "", early_workers: bool = True,
                  checkpoint_errors: str = "warn", boxes: int = 1):
-        self.server_argv = server_argv
+        self.server_argv, self.worker_argvs = server_argv, worker_argvs
         self.early_workers = early_workers  # see _start_job
-        self.worker_argvs = worker_argvs
-        self.run_id = run_id
-        self.run_dir = run_dir
-        self.steps = steps
-        self.console = console
-        self.max_restarts = max_restarts
+        self.run_id, self.run_dir, self.steps = run_id, run_dir, steps
+        self.console, self.max_restarts = console, max_restarts
         self.checkpoints = checkpoints  # the EPS's checkpoint root (--server-save), or ""
         self.checkpoint_errors, self.boxes = checkpoint_errors, boxes  # LaunchConfig, --nodes
         self.checkpoint_failures: list[events.CheckpointFailed] = []
@@ -73,6 +67,7 @@ class Launcher:
         self.eval_parts: dict[int, dict[int, events.EvalDone]] = {}  # step -> rank -> part
         self.evals: list[dict] = []
         self._ready = threading.Event()
+        self._ready_step = 0  # the step the EPS serves from (Ready: a resumed checkpoint's)
         self._lock = threading.Lock()
         self.failure: str | None = None
         self._log_failed: Exception | None = None  # a child log line that could not be kept
@@ -119,6 +114,7 @@ class Launcher:
                     self.console.note(f"l2l-launch: bad event from {name}: {e}")
                     continue
                 if isinstance(ev, events.Ready):
+                    self._ready_step = ev.step
                     self._ready.set()
                 elif isinstance(ev, events.Starting):  # alive: patience counts from now
                     self._ready_by = time.monotonic() + READY_TIMEOUT + ev.patience
@@ -164,10 +160,7 @@ class Launcher:
                 return
             result = eval_result(ev.step, list(parts.values())) | {"objective": ev.objective}
             self.evals.append(result)
-        metric = (f"accuracy {result['accuracy']:.3f}" if ev.objective == "classify"
-                  else f"perplexity {result['perplexity']:.3f}")
-        self.console.note(f"eval after {ev.step:>5} steps  loss {result['loss']:.4f}  {metric}",
-                          err=False)
+        self.console.note(eval_line(result), err=False)
 
     # ------------------------------------------------------------------------- run
 
@@ -312,10 +305,9 @@ class Launcher:
             what = self.failure
 
     def _died_starting(self) -> bool:
-        """The EPS died before it was ready, killed (the OOM killer, an operator, a node
-        agent) or crashed: a restart may cure that. One that refused its settings (a bad
-        option, a busy endpoint, a checkpoint it cannot load: exit status REFUSED) said why,
-        and fails the job at once: it would refuse again."""
+        """The EPS died before it was ready, killed (the OOM killer, an operator) or crashed:
+        a restart may cure that. One that refused its settings (a bad option, a busy endpoint,
+        a checkpoint it cannot load: exit status REFUSED) said why: it would refuse again."""
         code = self.server.proc.returncode if self.server else None
         return (code not in (None, 0, REFUSED) and self.failure is not None
                 and self.failure.endswith("before it was ready"))
@@ -360,17 +352,13 @@ class Launcher:
         return True
 
     def _restart_job(self, what: str) -> bool:
-        """The EPS died: stop the workers, start everything again from its last checkpoint."""
+        """The EPS died: stop the workers, start everything again from its last checkpoint
+        (or, with several boxes, the newest one every box holds: its Ready says which)."""
         self.stop_all()
         found = latest(self.checkpoints) if self.checkpoints else None
         step = found[1] if found and stamp(self.checkpoints) != self._foreign else None
         done = self._completed()
-        with self._lock:  # steps after the checkpoint are trained (and reported) again
-            start = step if step is not None else min(self.events, default=0)
-            self.events = {s: e for s, e in self.events.items() if s < start}
-            self.progress = [p for p in self.progress if p["step"] < start]
-            self.eval_parts = {s: e for s, e in self.eval_parts.items() if s <= start}
-            self.evals = [e for e in self.evals if e["step"] <= start]
+        start = self._replay_from(step if step is not None else min(self.events, default=0))
         self.restarts.append({"rank": None, "cause": what, "detected_after": 0.0,
                               "steps_done": done, "checkpoint_step": step,
                               "steps_replayed": max(0, done - start)})
@@ -380,7 +368,23 @@ class Launcher:
             f"({len(self.restarts)}/{self.max_restarts}): {max(0, done - start)} "
             "completed steps are lost and trained again")
         extra = ["--load", self.checkpoints] if step is not None else []
-        return self._start_job(extra, replacement=True)
+        if not self._start_job(extra, replacement=True):
+            return False
+        if step is not None and self._ready_step < step:  # the boxes agreed on an older one
+            start = self._replay_from(self._ready_step)
+            self.restarts[-1].update(checkpoint_step=start, steps_replayed=max(0, done - start))
+            self.console.note(f"l2l-launch: the boxes resume from step {start}, the newest "
+                              "checkpoint every box holds")
+        return True
+
+    def _replay_from(self, start: int) -> int:
+        """Steps from ``start`` on are trained (and reported) again: their rows go."""
+        with self._lock:
+            self.events = {s: e for s, e in self.events.items() if s < start}
+            self.progress = [p for p in self.progress if p["step"] < start]
+            self.eval_parts = {s: e for s, e in self.eval_parts.items() if s <= start}
+            self.evals = [e for e in self.evals if e["step"] <= start]
+        return start
 
     def stop_all(self) -> None:
         """Stop every child still running (children.stop), then remove what the run left in

@@ -29,6 +29,13 @@ def eval_result(step: int, parts: list[events.EvalDone]) -> dict:
             "perplexity": math.exp(min(loss, 50.0)), "count": count}
 
 
+def eval_line(result: dict) -> str:
+    """The console's line for an evaluation (eval_result with its objective)."""
+    metric = (f"accuracy {result['accuracy']:.3f}" if result["objective"] == "classify"
+              else f"perplexity {result['perplexity']:.3f}")
+    return f"eval after {result['step']:>5} steps  loss {result['loss']:.4f}  {metric}"
+
+
 def resume_hint(root: str) -> str:
     """The end of a failed job's last line: the latest checkpoint under its --server-save
     ``root``, to go on from with --load; "" if there is none."""

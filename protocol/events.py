@@ -30,12 +30,14 @@ def event(kind: str):
 
 @event("ready")
 class Ready:
-    """The EPS accepts workers."""
+    """The EPS accepts workers; ``step``: the step it serves from (0 for a new model, else
+    the checkpoint's it resumed from)."""
 
     KIND: ClassVar[str]
     endpoint: str
     run_id: str
     pid: int
+    step: int = 0
 
 
 @event("starting")
@@ -142,7 +144,8 @@ def decode(line: str):
         raise ValueError(f"not an event: {line[:80]!r}")
     cls = EVENTS[obj.pop("event")]
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    if set(obj) != set(fields):
+    needed = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
+    if not needed <= set(obj) <= set(fields):  # (a field with a default may be left out)
         raise ValueError(f"{cls.KIND} event with fields {sorted(obj)}, expected {sorted(fields)}")
     for name, value in obj.items():
         kind = fields[name].type

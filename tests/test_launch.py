@@ -305,7 +305,7 @@ for done in range(1, 9):  # a load that takes 4 s, saying so every 0.5 s
     say(event="starting", phase="loading", done=done, total=8, patience=0)
 if sys.argv[1] == "silent":
     time.sleep(60)
-say(event="ready", endpoint="ipc:///x", run_id="r", pid=os.getpid())
+say(event="ready", endpoint="ipc:///x", run_id="r", pid=os.getpid(), step=0)
 time.sleep(60)
 """
 
@@ -327,6 +327,42 @@ def test_an_eps_that_says_it_is_loading_is_waited_for_while_it_says_so(tmp_path,
         assert job._start_job() == (then == "ready"), job.failure
         if then == "silent":
             assert job.failure == "eps-server not ready, and silent for 2 s"
+    finally:
+        job.stop_all()
+
+
+READY_AT = """
+import json, os, sys, time
+out = os.fdopen(int(sys.argv[sys.argv.index("--events") + 1][3:]), "w", buffering=1)
+out.write(json.dumps({"event": "ready", "endpoint": "ipc:///x", "run_id": "r",
+                      "pid": os.getpid(), "step": int(sys.argv[1])}) + "\\n")
+time.sleep(60)
+"""
+
+
+def test_a_restart_from_an_older_step_than_the_box_s_latest_trims_the_rows_to_it(tmp_path):
+    """With several boxes the EPS resumes from the newest checkpoint every box holds, which
+    may be older than this box's latest (step 4 here; the EPS says step 2 in its Ready): the
+    steps from 2 on are trained again, so their rows go and the restart records step 2."""
+    from launch import launcher as mod
+    from launch.console import Console
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    console = Console(4, str(tmp_path), quiet=True, out=io.StringIO(), tty=False)
+    job = mod.Launcher([sys.executable, "-c", READY_AT, "2"], [], "test-older", str(tmp_path),
+                       8, console, max_restarts=1, checkpoints=str(root), boxes=2)
+    (root / "step-00000004").mkdir()
+    (root / "step-00000004" / "state.json").write_text('{"step": 4}')
+    (root / "latest").write_text("step-00000004")
+    job.events = {s: {} for s in range(6)}  # (no workers: every step is complete)
+    job.progress = [{"step": s} for s in range(6)]
+    try:
+        assert job._restart_job("box 1 was lost")
+        assert sorted(job.events) == [0, 1] and [p["step"] for p in job.progress] == [0, 1]
+        assert job.restarts[-1] | {"cause": None} == {
+            "rank": None, "cause": None, "detected_after": 0.0, "steps_done": 6,
+            "checkpoint_step": 2, "steps_replayed": 4}
     finally:
         job.stop_all()
 
