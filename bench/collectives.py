@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import socket
 import time
 
 import torch
@@ -28,7 +27,7 @@ import torch.multiprocessing as mp
 
 from eps_server.boxes import all_gather, reduce_scatter
 
-from .common import table
+from .common import free_port, table
 
 LINKS = {"25 Gbit/s": 25e9 / 8, "100 Gbit/s": 100e9 / 8}
 
@@ -37,12 +36,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="2,4", help="numbers of boxes, comma-separated")
     p.add_argument("--mib", default="16,64,256", help="fp32 gradient sizes (MiB)")
     p.add_argument("--repeat", type=int, default=5)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn, repeat: int) -> float:
@@ -81,7 +74,7 @@ def _rank(rank: int, n: int, port: int, sizes: list[int], repeat: int, out) -> N
 def _gloo(n: int, sizes: list[int], repeat: int) -> list[tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, n, port, sizes, repeat, out)) for r in range(n)]
     for p in procs:
         p.start()

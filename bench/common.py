@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -135,6 +136,13 @@ def interleaved(contenders: dict, reps: int, warmup: int = 2) -> dict[str, float
             if rep >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: median(ts) for name, ts in times.items()}
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def table(title: str, headers: list[str], rows: list[list]) -> str:

@@ -15,10 +15,9 @@ with contention; docs/multibox.md estimates the overlap on real links from per-l
 from __future__ import annotations
 
 import argparse
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
-from .common import l2l_job, steady_step_seconds, table
+from .common import free_port, l2l_job, steady_step_seconds, table
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,12 +31,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(--no-overlap), so every reduction is exposed")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _held(summary: dict) -> float:
@@ -62,7 +55,7 @@ def multibox(a) -> dict:
                      f"{_held(one):.2f}", f"{one['eps'].get('bytes_per_param', 0.0):.2f}"])
         out[f"one_box_{n}{'_serial' if serial else ''}_step_seconds"] = t_one
         for mode in modes:
-            port = str(_port())
+            port = str(free_port())
 
             def box(r: int, n=n, mode=mode, port=port, serial=serial) -> dict:
                 return l2l_job(model + serial, workers=1, steps=a.steps,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import socket
 
 import torch
 from torch import nn
@@ -44,7 +43,7 @@ from worker.data import Sharder, build_task
 from worker.models import build_model
 from worker.models.base import optimizer_groups
 
-from .common import timed_steps
+from .common import free_port, timed_steps
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
@@ -65,12 +64,6 @@ def missing(name: str) -> str:
     except ModuleNotFoundError:
         found = False
     return "" if found else f"{module} is not installed"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _peak(device: torch.device) -> int:
@@ -133,7 +126,8 @@ def fsdp2(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                            init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
     try:
         mesh = init_device_mesh(dev.type, (1,))
         net = build_model(mcfg).assemble().train()
@@ -210,7 +204,7 @@ def deepspeed(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: 
     }
     net = _Loss(build_model(mcfg).assemble().train(), mcfg.seed)
     os.environ.update(RANK="0", LOCAL_RANK=str(dev.index or 0), WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     engine = None
     try:
         engine, _, _, _ = ds.initialize(

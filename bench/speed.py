@@ -19,7 +19,7 @@ import torch
 
 from worker.config import ModelConfig
 
-from .common import check, l2l_job, median, steady_step_seconds, table
+from .common import check, free_port, l2l_job, median, steady_step_seconds, table
 from .local import local_l2l_step_seconds, resident_step_seconds
 
 
@@ -187,7 +187,7 @@ def metrics(a) -> dict:
     import threading
     import urllib.request
 
-    port, stop, scrapes = _free_port(), threading.Event(), [0]
+    port, stop, scrapes = free_port(), threading.Event(), [0]
 
     def scraper() -> None:  # as Prometheus would, but 5 times a second
         while not stop.wait(0.2):
@@ -213,11 +213,3 @@ def metrics(a) -> dict:
         "ratios": {"step_time_with_metrics": t["on"] / t["off"]},
         "targets": [check("step time with metrics / without", t["on"] / t["off"], "<=", 1.03)],
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

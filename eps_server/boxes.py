@@ -70,6 +70,15 @@ def all_gather(out: torch.Tensor, mine: torch.Tensor, rank: int, group=None) -> 
         dist.broadcast(chunks[r], src=r, group=group)
 
 
+def gathered(row: torch.Tensor, nodes: int) -> list[torch.Tensor]:
+    """Every box's ``row`` (one shape everywhere), in box order."""
+    import torch.distributed as dist
+
+    every = [torch.empty_like(row) for _ in range(nodes)]
+    dist.all_gather(every, row)
+    return every
+
+
 class Sequence:
     """The canonical order of the cross-box collectives: (step, layer) with steps ascending
     and, within a step, layers descending; keys announced as skipped are passed over."""
@@ -195,8 +204,6 @@ class CrossBox:
         failed (a full disk) or was cut off while the others' was written (keep >= 2
         checkpoints for this). "" when no box loads one. Raises ValueError when they cannot
         agree (a restart would not help), BoxLost when the boxes cannot be reached."""
-        import torch.distributed as dist
-
         from protocol.checkpoints import held
 
         mine, unreadable = [], None
@@ -207,9 +214,8 @@ class CrossBox:
         row = torch.full((AGREE_SLOTS + 1,), -1, dtype=torch.int64)
         row[0] = int(bool(load))
         row[1:1 + len(mine)] = torch.tensor([step for step, _ in mine], dtype=torch.int64)
-        every = [torch.empty_like(row) for _ in range(cfg.nodes)]
         try:
-            dist.all_gather(every, row)
+            every = gathered(row, cfg.nodes)
         except Exception as e:  # gloo: a peer gone (connection closed) or the timeout
             raise BoxLost(f"the boxes could not compare their checkpoints: {e}") from None
         if unreadable is not None:
@@ -297,13 +303,10 @@ class CrossBox:
     def agree(self, mine: torch.Tensor, what: str) -> torch.Tensor:
         """Every box's ``mine`` (int64, one shape everywhere), stacked in box order: the
         boxes' checkpoints at a step boundary, while no engine runs. Raises BoxLost."""
-        import torch.distributed as dist
-
-        every = [torch.empty_like(mine) for _ in range(self.cfg.nodes)]
         try:
             if self.lost is not None:
                 raise BoxLost(f"an earlier cross-box reduction failed: {self.lost}")
-            dist.all_gather(every, mine)
+            every = gathered(mine, self.cfg.nodes)
         except BoxLost as e:
             self.sequence.fail(e)
             raise
@@ -349,13 +352,10 @@ class CrossBox:
         has at version t. (Its step-t update waits its turn behind this one; but a layer that
         LayerDrop dropped in step t may still be taking its step t-1 update on another engine:
         its version is t once that is done.)"""
-        import torch.distributed as dist
-
         ready = [int(self._version(i) >= t) for i in range(len(self._replicas))]
         sums = [checksum(m) if r else 0 for m, r in zip(self._replicas, ready)]
         mine = torch.tensor([t, *sums, *ready], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.cfg.nodes)]
-        dist.all_gather(every, mine)
+        every = gathered(mine, self.cfg.nodes)
         self.checks += 1
         steps = [int(other[0]) for other in every]
         if len(set(steps)) > 1:

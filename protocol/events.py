@@ -43,7 +43,8 @@ class Ready:
 @event("starting")
 class Starting:
     """The EPS is still starting and alive: ``phase`` "joining" the boxes (it waits up to
-    ``patience`` seconds for them) or "loading" a checkpoint (``done`` of ``total`` layers).
+    ``patience`` seconds for them), "checking" a checkpoint (said before and after each file)
+    or "loading" it (``done`` of ``total`` layers).
     Whoever waits for Ready counts its patience from the latest of these, so a long start that
     shows progress is not taken for a hung one."""
 
