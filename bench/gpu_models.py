@@ -6,6 +6,7 @@ the peers on a Hugging Face Llama of TinyLlama's shape (hfpeers).
 from __future__ import annotations
 
 import gc
+import math
 import os
 import tempfile
 import time
@@ -180,14 +181,17 @@ def bench_hfpeers(a) -> dict:
     seq, mbs = (32, 2) if a.tiny else (1024, 8)
     us = (2,) if a.tiny else tuple(int(u) for u in a.hf_us.split(","))
     budgets = [b.strip() for b in a.hf_budgets.split(",") if b.strip()]
-    layers = 2 if a.tiny else a.hf_layers
+    layers = 2 if a.tiny else hf_depth(a.hf_layers, a.device)
     precision = "fp32" if a.tiny else "bf16"
     # ratio: an l2l row's speed over l2l at the first budget; a peer's, l2l's best over its
-    headers = ["system", "u", "samples/s", "peak GiB", "ratio", "last loss"]
+    headers = ["system", "u", "samples/s", "MFU", "peak GiB", "ratio", "last loss"]
     rows, out = live(a, headers), {}
     with tempfile.TemporaryDirectory(prefix="l2l-hfpeers-") as tmp:
         model = os.path.join(tmp, "model")
         params = llama_dir(model, layers, a.tiny, a.device, TINYLLAMA)
+        # 6 FLOPs per parameter and token (attention's own FLOPs left out), of the bf16 peak
+        mfu = lambda r: model_flops_utilisation(  # noqa: E731
+            a, 6 * params * seq * r["samples_per_sec"])[0]
         vocab = (LLAMA_TINY if a.tiny else TINYLLAMA)["vocab_size"]
         data = os.path.join(tmp, "tokens.bin")
         steps = a.warmup + a.steps
@@ -208,7 +212,7 @@ def bench_hfpeers(a) -> dict:
                 first = out[l2l_key(u, budgets[0])]
                 rows.append([f"l2l, budget {'auto' if budget == '-1' else budget}: "
                              f"{r['kept_blocks']} of {layers} blocks kept", u,
-                             r["samples_per_sec"], r["peak_bytes"] / GIB,
+                             r["samples_per_sec"], mfu(r), r["peak_bytes"] / GIB,
                              r["samples_per_sec"] / first["samples_per_sec"], r["losses"][-1]])
         mcfg = ModelConfig(model=f"hf:{model}", seq_len=seq, dropout=0.0)
         dcfg = DataConfig(data=data, token_dtype="uint32")
@@ -227,9 +231,10 @@ def bench_hfpeers(a) -> dict:
             except Exception as e:  # out of memory, not installed: said beside the others
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
             out[name] = r
-            rows.append([name, us[0], *(["-", "-", r["error"][:60], "-"] if "error" in r else
-                                        [r["samples_per_sec"], r["peak_bytes"] / GIB,
-                                         mine / r["samples_per_sec"], r["losses"][-1]])])
+            rows.append([name, us[0], *(["-", "-", "-", r["error"][:60], "-"] if "error" in r
+                                        else [r["samples_per_sec"], mfu(r),
+                                              r["peak_bytes"] / GIB, mine / r["samples_per_sec"],
+                                              r["losses"][-1]])])
     fsdp = out.get("fsdp2", {}).get("samples_per_sec")
     auto = [(u, out[l2l_key(u, "-1")]["samples_per_sec"] / out[l2l_key(u, "0")]["samples_per_sec"])
             for u in us if {"0", "-1"} <= set(budgets)]
@@ -240,6 +245,39 @@ def bench_hfpeers(a) -> dict:
                 *(check(f"l2l auto / budget 0 at u={u}", ratio, ">=", 1.15) for u, ratio in auto),
                 *([check(f"l2l (best budget, u={us[0]}) / FSDP2 CPUOffload (fused)",
                          mine / fsdp, ">=", 2.0)] if fsdp else [])]}
+
+
+# The resident model's device memory on the TinyLlama shape at T=1024, micro-batch 8, bf16
+# autocast (fp32 master, gradients and fused AdamW state, one micro-batch's activations),
+# fitted to its 39.5 GiB at 22 layers (H100 and H200 alike): embeddings, head and logits, and
+# each decoder layer. The host: FSDP2 and DeepSpeed offload keep about 20 bytes a parameter.
+RESIDENT_BASE, RESIDENT_PER_LAYER, OFFLOAD_BYTES = 4.3 * GIB, 1.6 * GIB, 20
+
+
+def hf_depth(layers: str, device: str) -> int:
+    """--hf-layers: a number, or 'beyond': the fewest TinyLlama-shaped layers whose resident
+    training needs 15% more than the device holds (its out-of-memory row is the point), while
+    the offloading peers' host memory still fits in 80% of this host's RAM."""
+    if layers != "beyond":
+        return int(layers)
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise SystemExit("--hf-layers beyond needs a CUDA device (it is sized by its memory)")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return layers_beyond(total, ram)
+
+
+def layers_beyond(device_bytes: int, host_bytes: int) -> int:
+    want = math.ceil((1.15 * device_bytes - RESIDENT_BASE) / RESIDENT_PER_LAYER)
+    h, i, kv = (TINYLLAMA[k] for k in ("hidden_size", "intermediate_size",
+                                       "num_key_value_heads"))
+    per_layer = 2 * h * h + 2 * h * (h // TINYLLAMA["num_attention_heads"]) * kv + 3 * h * i
+    fits = int((0.8 * host_bytes / OFFLOAD_BYTES - 2 * TINYLLAMA["vocab_size"] * h) // per_layer)
+    if fits < want:
+        raise SystemExit(f"--hf-layers beyond: {want} layers outgrow the device, but the "
+                         f"offloading peers' host memory holds {fits}")
+    return want
 
 
 def l2l_key(u: int, budget: str) -> str:

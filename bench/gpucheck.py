@@ -47,8 +47,13 @@ PIECES = [("transfer", "transfer", [], [], 20, 60),
            ["--peers", "resident,fsdp2,fsdp2-noac,fsdp2-hostacc"], 90, 180),
           ("mfu", "mfu", ["--mfu-params", "4"], [], 90, 180),
           ("llama", "llama", [], [], 150, 300),
-          ("hfpeers", "hfpeers", ["--peers", "resident,fsdp2,fsdp2-noac"],
-           ["--peers", "resident,fsdp2,fsdp2-noac,fsdp2-hostacc"], 150, 360),
+          ("hfpeers", "hfpeers", ["--peers", "resident,fsdp2,fsdp2-noac,deepspeed-offload"],
+           ["--peers", "resident,fsdp2,fsdp2-noac,fsdp2-hostacc,deepspeed-offload"], 150, 420),
+          # the same shape deeper than the resident model can hold (its row: out of memory)
+          ("hfbig", "hfpeers", ["--hf-layers", "beyond", "--hf-us", "4", "--hf-budgets", "-1",
+                                "--peers", "resident,fsdp2,deepspeed"],
+           ["--hf-layers", "beyond", "--hf-us", "4,8", "--hf-budgets", "0,-1",
+            "--peers", "resident,fsdp2,fsdp2-noac,deepspeed"], 240, 480),
           ("deepspeed", "peers", ["--peers", "deepspeed-offload,deepspeed"],
            ["--peers", "deepspeed-offload,deepspeed"], 120, 300)]
 TINY = ["--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]

@@ -286,6 +286,22 @@ def _l2l_processes() -> list[str]:
     return found
 
 
+def test_beyond_is_the_shallowest_llama_the_resident_model_cannot_hold():
+    """--hf-layers beyond: the fewest layers whose resident training outgrows the device by
+    15% (one fewer does not), refused where the offloading peers' host memory cannot hold
+    them."""
+    from bench.gpu_models import RESIDENT_BASE, RESIDENT_PER_LAYER, layers_beyond
+
+    need = lambda n: RESIDENT_BASE + n * RESIDENT_PER_LAYER  # noqa: E731
+    for device_gib in (24, 80, 141):
+        device = device_gib * 2**30
+        n = layers_beyond(device, 1 << 40)
+        assert need(n) >= 1.15 * device > need(n - 1), (device_gib, n)
+    assert layers_beyond(80 * 2**30, 125 * 2**30) < layers_beyond(141 * 2**30, 125 * 2**30)
+    with pytest.raises(SystemExit, match="host memory holds"):
+        layers_beyond(141 * 2**30, 32 * 2**30)
+
+
 @pytest.mark.slow
 def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     """`--tiny`: every part with tiny models on the CPU, as on a GPU machine: the CUDA tests
@@ -317,10 +333,14 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
             assert systems[name]["samples_per_sec"] > 0, systems
             assert systems[name]["losses"] == pytest.approx(systems["l2l"]["losses"],
                                                             rel=1e-5)
-    systems = pieces["hfpeers"]["systems"]  # a Hugging Face Llama: the same steps again
-    for name in ("l2l_u2_budget0", "resident", "fsdp2", "fsdp2-noac"):
-        assert systems[name]["losses"] == pytest.approx(systems["l2l_u2_auto"]["losses"],
-                                                        rel=1e-5), name
+    ds = "deepspeed" in peers
+    for piece, names in (("hfpeers", ["l2l_u2_budget0", "resident", "fsdp2", "fsdp2-noac",
+                                      *["deepspeed-offload"] * ds]),  # a Hugging Face Llama
+                         ("hfbig", ["resident", "fsdp2", *["deepspeed"] * ds])):
+        systems = pieces[piece]["systems"]
+        for name in names:
+            assert systems[name]["losses"] == pytest.approx(
+                systems["l2l_u2_auto"]["losses"], rel=1e-5), (piece, name)
     assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
