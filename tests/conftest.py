@@ -77,6 +77,33 @@ def make():
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
+@pytest.fixture(autouse=True)
+def turn(request, tmp_path_factory):
+    """Under pytest-xdist a test marked ``exclusive`` runs while no other test does: it judges
+    state this whole machine shares (a killed server's regions in /dev/shm, which the start of
+    any eps-server sweeps). Two flock()s, a turnstile and a room: a test passes the turnstile
+    and shares the room; an exclusive one holds the turnstile (no test comes in) while it
+    waits for the room to empty and while it runs."""
+    if not XDIST_WORKER:
+        yield
+        return
+    import fcntl
+
+    run = tmp_path_factory.getbasetemp().parent  # this run's, all its workers' (pytest's own)
+    fds = [os.open(run / f"l2l-{part}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+           for part in ("gate", "room")]
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    try:
+        fcntl.flock(fds[0], fcntl.LOCK_EX)
+        fcntl.flock(fds[1], fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(fds[0], fcntl.LOCK_UN)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)  # (the last close of a file drops its locks)
+
+
 def _lock_holders() -> dict[tuple[int, int, int], int]:
     """{(device major, minor, inode): pid} of the flock()s held on this machine (/proc/locks:
     "1: FLOCK ADVISORY WRITE <pid> <major:minor:inode> ...", numbers of the device in hex)."""

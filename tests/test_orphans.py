@@ -15,6 +15,10 @@ from worker.eps_client import EpsClient
 
 from .helpers import ENV, ROOT
 
+# Every test here leaves a killed server's regions for a server (or cleanup) to find: one that
+# another test starts meanwhile would remove them first.
+pytestmark = pytest.mark.exclusive
+
 # A stand-in eps-server holding its run lock and three regions; "die" kills it with SIGKILL
 # (nothing of it runs on exit), "live" keeps it running until the test ends.
 HOLDER = """
