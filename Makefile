@@ -47,8 +47,9 @@ finetune: $(STAMP)
 		--steps 60 --micro-batches 2 --micro-batch-size 16 --lr 1e-4 --warmup-steps 6 \
 		--save runs/minilm-sentiment --summary-json runs/minilm-sentiment.json
 
+# In a process per core, at most 4 (pytest-xdist): most tests wait on processes they start.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4
 
 # The slow set also runs the DeepSpeed peer on its CPU accelerator: DeepSpeed installed as pure
 # Python (its CPU ops compile at first use), pinned to what the GPU check carries.
