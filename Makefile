@@ -47,7 +47,7 @@ finetune: $(STAMP)
 		--steps 60 --micro-batches 2 --micro-batch-size 16 --lr 1e-4 --warmup-steps 6 \
 		--save runs/minilm-sentiment --summary-json runs/minilm-sentiment.json
 
-# In a process per core, at most 4 (pytest-xdist): most tests wait on processes they start.
+# A test process per core, at most 4 (pytest-xdist); `exclusive` tests run alone (conftest.py).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto --maxprocesses 4
 
