@@ -36,7 +36,8 @@ NEEDS = ("torch", "zmq", "msgpack", "numpy", "uvloop", "safetensors", "yaml", "t
          "prometheus_client")
 # Benchmark runs in order: (label, piece of bench/gpu.py, its options, its options when
 # --full, seconds it needs at least to be worth starting, seconds it may take at most (not
-# with --full)). DeepSpeed comes last: its CPU Adam is compiled at first use.
+# with --full)). DeepSpeed's peers come last in a piece: its CPU Adam is compiled at first use
+# (cached on disk: the first piece that runs one pays for it).
 PIECES = [("transfer", "transfer", [], [], 20, 60),
           ("engines", "engines", [], [], 20, 60),
           ("overhead", "overhead", [], [], 60, 120),

@@ -1,5 +1,6 @@
 import os
 import secrets
+from pathlib import Path
 
 # L2L_TEST_SESSION marks every process this test run starts (xdist workers inherit the
 # controller's): a region of a live run whose lock holder lacks it belongs to another run on
@@ -72,27 +73,29 @@ def make():
         h.close()
 
 
-# Under pytest-xdist (the GPU check runs the CUDA tests in several processes) one process
-# cannot tell another's live regions from its own leaks: the controller checks the whole run.
+# Under pytest-xdist (make test, and the GPU check's CUDA tests) one process cannot tell
+# another's live regions from its own leaks: the controller checks the whole run.
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
-@pytest.fixture(autouse=True)
-def turn(request, tmp_path_factory):
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist a test marked ``exclusive`` runs while no other test does: it judges
     state this whole machine shares (a killed server's regions in /dev/shm, which the start of
-    any eps-server sweeps). Two flock()s, a turnstile and a room: a test passes the turnstile
-    and shares the room; an exclusive one holds the turnstile (no test comes in) while it
-    waits for the room to empty and while it runs."""
+    any eps-server sweeps). Two flock()s, a turnstile and a room, in the folder of this run's
+    workers: a test passes the turnstile and shares the room; an exclusive one holds the
+    turnstile (no test comes in) while it waits for the room to empty and while it runs.
+    Around the whole protocol: fixtures of every scope are set up and torn down inside, and
+    the wait is outside the test's timeout."""
     if not XDIST_WORKER:
         yield
         return
     import fcntl
 
-    run = tmp_path_factory.getbasetemp().parent  # this run's, all its workers' (pytest's own)
+    run = Path(item.config.option.basetemp).parent  # xdist: <the run's basetemp>/popen-gwN
     fds = [os.open(run / f"l2l-{part}.lock", os.O_RDWR | os.O_CREAT, 0o600)
            for part in ("gate", "room")]
-    exclusive = request.node.get_closest_marker("exclusive") is not None
+    exclusive = item.get_closest_marker("exclusive") is not None
     try:
         fcntl.flock(fds[0], fcntl.LOCK_EX)
         fcntl.flock(fds[1], fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)

@@ -21,7 +21,9 @@ from protocol.shm import list_regions, unlink_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 # L2L_PARENT_PID: an EPS or worker outlives no test run, even one killed (as l2l-launch's).
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", L2L_PARENT_PID=str(os.getpid()),
+# (Without pytest-xdist's marks: a pytest run a test starts is no xdist worker of this one.)
+ENV = dict({k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+           OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", L2L_PARENT_PID=str(os.getpid()),
            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 # A small model: hidden 32, 2 blocks; every process uses one torch thread.
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--vocab", "64",

@@ -1,4 +1,4 @@
-"""Under pytest-xdist (`make test` runs the suite in two processes) a test marked `exclusive`
+"""Under pytest-xdist (`make test` runs the suite in a process per core) a test marked `exclusive`
 runs while no other test does (tests/conftest.py: turn)."""
 
 from __future__ import annotations
