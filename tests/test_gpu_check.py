@@ -372,15 +372,14 @@ def test_leaks_a_region():
 
 @pytest.mark.exclusive  # (an outer test's regions would be this run's leaks)
 def test_under_xdist_the_whole_run_is_checked_for_leaked_shared_memory(tmp_path):
-    """With pytest-xdist (the GPU check runs the CUDA tests in 4 processes) a process cannot
+    """With pytest-xdist (make test; the GPU check's CUDA tests) a process cannot
     tell another's live regions from its own leaks: the controller checks the whole run, so a
     region one process holds while the other ends is no leak, and one never unlinked is."""
     pytest.importorskip("xdist")
     name = f"l2l-xdisttest-{os.getpid()}"
     (tmp_path / "test_leaky.py").write_text(LEAKY.format(pid=os.getpid()))
-    # a controller of its own, also when this test runs in an xdist worker
-    inner_env = {k: v for k, v in ENV.items()  # a run of its own: controller, session mark
-                 if not k.startswith("PYTEST_XDIST") and k != "L2L_TEST_SESSION"}
+    # a controller of its own (ENV has no xdist marks), with a session mark of its own
+    inner_env = {k: v for k, v in ENV.items() if k != "L2L_TEST_SESSION"}
     inner_env.update(PYTHONPATH=str(ROOT))
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",

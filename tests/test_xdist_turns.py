@@ -1,5 +1,5 @@
 """Under pytest-xdist (`make test` runs the suite in a process per core) a test marked `exclusive`
-runs while no other test does (tests/conftest.py: turn)."""
+runs while no other test does (tests/conftest.py: pytest_runtest_protocol)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_an_exclusive_test_runs_while_no_other_does(tmp_path):
     room = tmp_path / "room"
     room.mkdir()
     (tmp_path / "test_turns.py").write_text(TESTS.format(dir=str(room)))
-    inner_env = {k: v for k, v in ENV.items()  # a run of its own: controller, session mark
-                 if not k.startswith("PYTEST_XDIST") and k != "L2L_TEST_SESSION"}
+    # a run of its own (ENV has no xdist marks), with a session mark of its own
+    inner_env = {k: v for k, v in ENV.items() if k != "L2L_TEST_SESSION"}
     inner_env.update(PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2", "-q",
                         "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o",
