@@ -78,6 +78,19 @@ def make():
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
+def pytest_collection_modifyitems(config, items):
+    """Exclusive tests last, in a row (a stable sort): each wait for the room to empty costs
+    the other processes' time, once for a row that one process runs (below)."""
+    items.sort(key=exclusive)
+
+
+def exclusive(item) -> bool:
+    return item.get_closest_marker("exclusive") is not None
+
+
+HELD: list[int] = []  # this process's turnstile and room while exclusive tests follow in a row
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist a test marked ``exclusive`` runs while no other test does: it judges
@@ -92,19 +105,24 @@ def pytest_runtest_protocol(item, nextitem):
         return
     import fcntl
 
-    run = Path(item.config.option.basetemp).parent  # xdist: <the run's basetemp>/popen-gwN
-    fds = [os.open(run / f"l2l-{part}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-           for part in ("gate", "room")]
-    exclusive = item.get_closest_marker("exclusive") is not None
+    alone = exclusive(item)
+    fds = HELD[:] or [os.open(Path(item.config.option.basetemp).parent / f"l2l-{part}.lock",
+                              os.O_RDWR | os.O_CREAT, 0o600) for part in ("gate", "room")]
+    HELD.clear()  # (xdist: basetemp is <the run's basetemp>/popen-gwN)
+    keep = False
     try:
-        fcntl.flock(fds[0], fcntl.LOCK_EX)
-        fcntl.flock(fds[1], fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        if not exclusive:
+        fcntl.flock(fds[0], fcntl.LOCK_EX)  # (again, for a held one: a no-op)
+        fcntl.flock(fds[1], fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
             fcntl.flock(fds[0], fcntl.LOCK_UN)
         yield
+        keep = alone and nextitem is not None and exclusive(nextitem)
     finally:
-        for fd in fds:
-            os.close(fd)  # (the last close of a file drops its locks)
+        if keep:
+            HELD[:] = fds
+        else:
+            for fd in fds:
+                os.close(fd)  # (the last close of a file drops its locks)
 
 
 def _lock_holders() -> dict[tuple[int, int, int], int]:

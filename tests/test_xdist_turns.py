@@ -19,7 +19,7 @@ def running():
 
 def busy(name):
     open(os.path.join(D, name), "w").close()
-    time.sleep(0.4)
+    time.sleep(0.8)
     os.unlink(os.path.join(D, name))
 
 @pytest.mark.parametrize("i", range(6))
@@ -31,17 +31,19 @@ def test_shares_the_room(i):
 @pytest.mark.parametrize("i", range(2))
 def test_alone(i):
     open(os.path.join(D, "alone"), "w").close()
-    time.sleep(0.4)
-    assert running() == ["alone"]
+    for _ in range(10):
+        assert running() == ["alone"]
+        time.sleep(0.05)
     os.unlink(os.path.join(D, "alone"))
 """
 
 
 @pytest.mark.exclusive  # (an outer test's regions would be this run's leaks)
 def test_an_exclusive_test_runs_while_no_other_does(tmp_path):
-    """Six tests of 0.4 s each keep both processes busy, and two exclusive ones come among
-    them: each finds no other test running, from its start to its end (without
-    the turns, one finds another's file), and no test starts while one runs."""
+    """Six tests of 0.8 s each keep both processes busy, and two exclusive ones follow (last,
+    as conftest.py sorts them), one process reaching them while the other still runs shared
+    ones: each finds no other test running, from its start to its end (without the turns,
+    one finds another's file), and no test starts while one runs."""
     pytest.importorskip("xdist")
     room = tmp_path / "room"
     room.mkdir()
@@ -49,7 +51,10 @@ def test_an_exclusive_test_runs_while_no_other_does(tmp_path):
     # a run of its own (ENV has no xdist marks), with a session mark of its own
     inner_env = {k: v for k, v in ENV.items() if k != "L2L_TEST_SESSION"}
     inner_env.update(PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2", "-q",
+    # worksteal: each process starts with half the tests, in order, so one of them reaches
+    # the exclusive tests (last, conftest.py) while the other still runs shared ones
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",
+                        "--dist", "worksteal", "-q",
                         "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o",
                         "markers=exclusive: alone",
                         str(tmp_path / "test_turns.py")], cwd=tmp_path, env=inner_env,
