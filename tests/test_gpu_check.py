@@ -252,6 +252,7 @@ def test_deepspeed_offload_trains_the_resident_model_on_cpu(monkeypatch, name):
     assert env() == before  # its torch.distributed variables and DeepSpeed's are gone
 
 
+@pytest.mark.exclusive  # (it looks for any job's regions and bench processes left behind)
 def test_a_piece_stopped_by_the_budget_keeps_its_rows_and_leaves_nothing_behind(tmp_path):
     """The budget's SIGINT reaches the piece and its L2L job: the piece writes what it measured
     (rows of the paper table) and the job's processes and shared memory are gone."""
