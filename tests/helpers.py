@@ -25,6 +25,21 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = dict({k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", L2L_PARENT_PID=str(os.getpid()),
            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def inner_pytest(test_file: Path, *options: str) -> subprocess.CompletedProcess:
+    """A pytest run of its own over ``test_file`` in 2 xdist processes, with this suite's
+    conftest (its exclusive turns, its leak check): its own controller (ENV carries no xdist
+    marks) and its own session mark (an outer test's regions are not its leaks)."""
+    env = {k: v for k, v in ENV.items() if k != "L2L_TEST_SESSION"}
+    env.update(PYTHONPATH=str(ROOT))
+    tmp = test_file.parent
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",
+                           "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp), *options,
+                           str(test_file)], cwd=tmp, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
 # A small model: hidden 32, 2 blocks; every process uses one torch thread.
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--vocab", "64",
          "--micro-batch-size", "4", "--threads", "1"]

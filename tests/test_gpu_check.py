@@ -18,7 +18,7 @@ import torch
 from bench.gpu_parts import depth_flat, trace_split
 from protocol.shm import list_regions, unlink_prefix
 
-from .helpers import ENV, ROOT
+from .helpers import ENV, ROOT, inner_pytest
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
@@ -379,15 +379,8 @@ def test_under_xdist_the_whole_run_is_checked_for_leaked_shared_memory(tmp_path)
     pytest.importorskip("xdist")
     name = f"l2l-xdisttest-{os.getpid()}"
     (tmp_path / "test_leaky.py").write_text(LEAKY.format(pid=os.getpid()))
-    # a controller of its own (ENV has no xdist marks), with a session mark of its own
-    inner_env = {k: v for k, v in ENV.items() if k != "L2L_TEST_SESSION"}
-    inner_env.update(PYTHONPATH=str(ROOT))
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",
-                            "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                            str(tmp_path / "test_leaky.py")], cwd=tmp_path,
-                           env=inner_env, capture_output=True, text=True,
-                           timeout=120)
+        r = inner_pytest(tmp_path / "test_leaky.py")
         assert "2 passed" in r.stdout and r.returncode == 1, r.stdout + r.stderr
         assert f"shared memory leaked by the tests: ['{name}-leaked']" in r.stdout, r.stdout
     finally:

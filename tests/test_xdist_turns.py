@@ -3,12 +3,9 @@ runs while no other test does (tests/conftest.py: pytest_runtest_protocol)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from .helpers import ENV, ROOT
+from .helpers import inner_pytest
 
 TESTS = """
 import os, time, pytest
@@ -48,15 +45,8 @@ def test_an_exclusive_test_runs_while_no_other_does(tmp_path):
     room = tmp_path / "room"
     room.mkdir()
     (tmp_path / "test_turns.py").write_text(TESTS.format(dir=str(room)))
-    # a run of its own (ENV has no xdist marks), with a session mark of its own
-    inner_env = {k: v for k, v in ENV.items() if k != "L2L_TEST_SESSION"}
-    inner_env.update(PYTHONPATH=str(ROOT))
     # worksteal: each process starts with half the tests, in order, so one of them reaches
     # the exclusive tests (last, conftest.py) while the other still runs shared ones
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-n", "2",
-                        "--dist", "worksteal", "-q",
-                        "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-o",
-                        "markers=exclusive: alone",
-                        str(tmp_path / "test_turns.py")], cwd=tmp_path, env=inner_env,
-                       capture_output=True, text=True, timeout=120)
+    r = inner_pytest(tmp_path / "test_turns.py", "--dist", "worksteal", "-o",
+                     "markers=exclusive: alone")
     assert r.returncode == 0 and "8 passed" in r.stdout, r.stdout + r.stderr
