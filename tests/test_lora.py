@@ -16,9 +16,10 @@ from worker.config import ModelConfig
 from worker.models import build_model
 
 from . import hf_fixtures as fx
-from .baseline import assert_close
+from .baseline import assert_close, train_local_l2l
 from .helpers import ENV
 from .hf_baseline import train_hf
+from .test_hf import data_for
 from .test_launch import LAUNCH
 
 peft = pytest.importorskip("peft")
@@ -26,9 +27,10 @@ SEQ = 16
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"]
 
 
-def _initial_adapter(path, out) -> None:
+def _initial_adapter(path, out, classes: int = 0) -> None:
     """The adapter l2l starts from (PEFT's initialisation, seeded), written as l2l saves it."""
-    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8))
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8,
+                                    classes=classes))
     tensors = {}
     for plan in plan_layout(model.manifest()).layers:
         values = model.loader().load(plan)
@@ -111,12 +113,101 @@ def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path):
                                    adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
 
 
-def test_lora_refuses_a_classifier_whose_head_would_be_new(tmp_path):
-    """Adapters only: a causal LM given --classes (a new, random head) would never learn it."""
+def _peft_names(state: dict) -> dict:
+    """A PEFT model's state dict under the library model's names (its wrappers' parts
+    dropped: the trained copy of a module to save stands for the module)."""
+    drop = ("base_model.model.", ".default", ".modules_to_save", ".base_layer")
+    out = {}
+    for k, v in state.items():
+        if "original_module" not in k:
+            for d in drop:
+                k = k.replace(d, "")
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("family, classes", [("gpt2", 0), ("bert-base", 3)])
+def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family, classes):
+    """GPT-2's Conv1D c_attn (PEFT's default target for it: fan_in_fan_out), and a BERT base
+    model with a new 3-way head, which trains whole beside the adapters on query and value (PEFT's
+    SEQ_CLS defaults): 3 AdamW steps with dropout 0.1 through the L2L executor equal PEFT's
+    training of the library model from the same start (FP32, 1e-5 + 1e-4 rel); the adapter
+    config says what PEFT needs to read them."""
+    from peft import PeftModel
+
+    path = fx.model_dir(tmp_path / "model", family)
+    data = data_for(family, tmp_path, classes=classes)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes, lora_rank=4,
+                      lora_alpha=8)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
+    init = tmp_path / "init"
+    _initial_adapter(path, init, classes=classes)
+    config = json.loads((init / "adapter_config.json").read_text())
+    start = load_file(str(init / "adapter_model.safetensors"))
+    if classes:
+        assert config["target_modules"] == ["query", "value"]
+        assert config["modules_to_save"] == ["classifier", "score"]
+        assert "base_model.model.classifier.weight" in start
+    else:
+        assert config["target_modules"] == ["c_attn"] and config["fan_in_fan_out"]
+    want = _peft_names(train_hf(
+        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+        classes=classes, wrap=lambda hf: PeftModel.from_pretrained(hf, str(init),
+                                                                   is_trainable=True)))
+    assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
+    trained = [k.removeprefix("base_model.model.") for k in start]
+    assert not any(torch.equal(got[k], start[f"base_model.model.{k}"]) for k in trained
+                   if "lora_A" not in k)  # every B and the head moved
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family):
+    """--merge folds the adapter in (W + alpha/r B A; a Conv1D weight, in x out, takes the
+    transpose): the merged model's logits are PEFT's with the adapter l2l saves."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = fx.model_dir(tmp_path / "model", family)
+    tensors = {}
+    for merge, out in ((False, "adapter"), (True, "merged")):
+        model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4,
+                                        lora_alpha=8, lora_targets="all-linear", merge=merge))
+        for plan in plan_layout(model.manifest()).layers:
+            values = model.loader().load(plan)
+            for n, v in values.items():  # B is zero at the start: give it values
+                tensors.setdefault((plan.name, n), torch.randn_like(v) / 8 if "lora_B" in n
+                                   else v)
+        model.export(str(tmp_path / out), tensors, {})
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
+                                        str(tmp_path / "adapter"))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(str(path))(input_ids=ids).logits
+        want = adapted(input_ids=ids).logits
+        assert not torch.allclose(want, plain, atol=1e-3)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=1e-4)
+
+
+def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
+    """A causal LM given --classes gets a new head, trained whole beside the adapters (PEFT's
+    SEQ_CLS: modules_to_save); with --lora-modules-to-save none it would never leave its random
+    start and is refused; a module name that matches nothing is refused."""
     path = fx.model_dir(tmp_path / "model", "llama")
-    with pytest.raises(ValueError, match="would stay at its random start"):
-        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=3, lora_rank=4))
-    cls = fx.model_dir(tmp_path / "cls", "llama-cls")  # its own head: adapters on its blocks
-    manifest = build_model(ModelConfig(model=f"hf:{cls}", seq_len=SEQ, lora_rank=4)).manifest()
-    trained = {t.name for la in manifest.layers for t in la.tensors if t.group != "frozen"}
-    assert trained and all(".lora_" in n for n in trained)
+
+    def trained(model_dir, **kw):
+        manifest = build_model(ModelConfig(model=f"hf:{model_dir}", seq_len=SEQ, lora_rank=4,
+                                           **kw)).manifest()
+        return {t.name for la in manifest.layers for t in la.tensors if t.group != "frozen"}
+
+    names = trained(path, classes=3)
+    assert "score.weight" in names and all(".lora_" in n for n in names - {"score.weight"})
+    with pytest.raises(ValueError, match="leaves the new classifier head"):
+        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=3, lora_rank=4,
+                                lora_modules_to_save="none"))
+    with pytest.raises(ValueError, match="'embed' matches no module"):
+        trained(path, lora_modules_to_save="embed")
+    assert "embed_tokens.weight" in trained(path, lora_modules_to_save="embed_tokens")
+    cls = fx.model_dir(tmp_path / "cls", "llama-cls")  # its own head: frozen when told
+    names = trained(cls, lora_modules_to_save="none")
+    assert names and all(".lora_" in n for n in names)

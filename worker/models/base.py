@@ -103,10 +103,10 @@ class Freezer:
     """--freeze: which tensors are frozen (globs over "<layer>.<tensor>"; a tied tensor as its
     owner), and a clear error for a pattern that matches nothing or leaves nothing to train."""
 
-    def __init__(self, patterns: str, lora: bool = False):
+    def __init__(self, patterns: str, trains=None):
         self.patterns = [p.strip() for p in patterns.split(",") if p.strip()]
         self.used: set[str] = set()
-        self.lora = lora  # only the LoRA adapters train
+        self.trains = trains  # LoRA: trains(layer, tensor), the only tensors that train
 
     def frozen(self, layer: str, tensor: str) -> bool:
         hits = [p for p in self.patterns if fnmatch.fnmatchcase(f"{layer}.{tensor}", p)]
@@ -114,9 +114,9 @@ class Freezer:
         return bool(hits)
 
     def group(self, layer: str, tensor: str, tie, group: str) -> str:
-        frozen = self.frozen(*tie) if tie is not None else self.frozen(layer, tensor)
-        base = self.lora and not tensor.endswith((".lora_A.weight", ".lora_B.weight"))
-        return "frozen" if frozen or base else group
+        owner = tie if tie is not None else (layer, tensor)
+        base = self.trains is not None and not self.trains(*owner)
+        return "frozen" if self.frozen(*owner) or base else group
 
     def check(self, layers) -> None:
         unused = [p for p in self.patterns if p not in self.used]
@@ -251,7 +251,7 @@ class LayeredModel:
     def manifest(self) -> Manifest:
         layers, ties = [], self.ties()
         cfg = self.cfg
-        frozen = Freezer(getattr(cfg, "freeze", ""), bool(getattr(cfg, "lora_rank", 0)))
+        frozen = Freezer(getattr(cfg, "freeze", ""), self.lora_trains())
         for name, kind in self.layer_kinds():
             with torch.device("meta"), SkipInitOnMeta():
                 module = self.make_stage(kind)
@@ -262,6 +262,11 @@ class LayeredModel:
                 for n, p in module.named_parameters())))
         frozen.check(layers)
         return Manifest(layers=tuple(layers), meta=self.meta())
+
+    def lora_trains(self):
+        """With LoRA, ``trains(layer, tensor)``: whether a tensor trains (the rest is the frozen
+        base model); None without."""
+        return None
 
     def exported(self, plan: LayerPlan) -> list[str]:
         """The layer's tensors ``export`` writes (all; a LoRA adapter: its own)."""

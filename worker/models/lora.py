@@ -1,10 +1,13 @@
 """LoRA (Hu et al., 2021) as PEFT makes it, on the blocks of a Hugging Face model
 (``--lora-rank``): each targeted ``nn.Linear`` computes ``x W^T + b + s * B(A(dropout(x)))``
 with ``s = alpha / r``, ``A`` (r x in) initialised kaiming-uniform (a = sqrt(5)) and ``B``
-(out x r) zero, as PEFT's ``init_lora_weights=True`` does. The adapter's tensors are the
-targeted module's ``lora_A.weight`` and ``lora_B.weight``: in a layer's manifest beside the
+(out x r) zero, as PEFT's ``init_lora_weights=True`` does; GPT-2's ``Conv1D`` (``x W + b``,
+its weight in x out: PEFT's ``fan_in_fan_out``) gets the same update. The adapter's tensors are
+the targeted module's ``lora_A.weight`` and ``lora_B.weight``: in a layer's manifest beside the
 base weights, which are frozen (protocol/tensors.py "frozen"): the EPS holds the base model's
-served copy only, and a master and optimizer state for the adapter.
+served copy only, and a master and optimizer state for the adapter and for the modules trained
+whole (PEFT's ``modules_to_save``: a sequence classifier's head, by default, as PEFT's
+SEQ_CLS task does).
 
 ``adapter_files`` writes what ``PeftModel.from_pretrained(base, DIR)`` loads
 (``adapter_config.json``, ``adapter_model.safetensors``: PEFT's names), ``merged`` folds the
@@ -13,6 +16,7 @@ adapter into the base weights (``W + s * B @ A``) for a plain model.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,41 +29,93 @@ from protocol.safetensors_io import write_safetensors
 from protocol.tensors import LayerPlan
 
 ADAPTER = (".lora_A.weight", ".lora_B.weight")
+# "auto" targets: PEFT's defaults for these model types (its
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; Phi-3's fused projection where PEFT has
+# none), the attention's query and value projections of the others.
+AUTO_TARGETS = {"bert": "query,value", "roberta": "query,value", "xlm-roberta": "query,value",
+                "gpt2": "c_attn", "phi3": "qkv_proj"}
+# "auto" modules trained whole: PEFT's for a sequence classifier (SEQ_CLS), none for an LM
+CLASSIFIER_HEADS = ("classifier", "score")
 
 
 def is_adapter(tensor: str) -> bool:
     return tensor.endswith(ADAPTER)
 
 
+def _update(self, x: torch.Tensor) -> torch.Tensor:
+    return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
 class LoraLinear(nn.Linear):
     """An ``nn.Linear`` with a LoRA update (its class is swapped in by ``apply``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return F.linear(x, self.weight, self.bias) + _update(self, x)
 
 
-def targets(spec: str) -> tuple[str, ...] | None:
-    """``--lora-targets``: module names (the last part of a qualified name), or None for
-    every linear layer of the blocks ("all-linear")."""
-    if spec.strip() == "all-linear":
+def _conv1d():
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+@functools.cache
+def _lora_conv1d(conv1d):
+    class LoraConv1D(conv1d):
+        """GPT-2's ``Conv1D`` (weight in x out) with a LoRA update."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + _update(self, x)
+
+    return LoraConv1D
+
+
+def targets(spec: str, model_type: str = "") -> tuple[str, ...] | None:
+    """``--lora-targets``: module names (the last part of a qualified name), None for every
+    linear layer of the blocks ("all-linear"), or "auto": PEFT's default for ``model_type``."""
+    spec = spec.strip()
+    if spec == "all-linear":
         return None
+    if spec == "auto":
+        spec = AUTO_TARGETS.get(model_type, "q_proj,v_proj")
     return tuple(t.strip() for t in spec.split(",") if t.strip())
 
 
-def apply(module: nn.Module, rank: int, alpha: float, spec: str, dropout: float) -> set[str]:
-    """Add LoRA to the targeted linear layers of ``module`` (one stage); their names."""
-    want = targets(spec)
-    found = [(n, m) for n, m in module.named_modules() if type(m) is nn.Linear and
+def apply(module: nn.Module, rank: int, alpha: float, spec: str, dropout: float,
+          model_type: str = "") -> dict[str, bool]:
+    """Add LoRA to the targeted linear layers of ``module`` (one stage): their names, each
+    with whether it is a ``Conv1D`` (weight in x out)."""
+    want, conv1d = targets(spec, model_type), _conv1d()
+    found = [(n, m) for n, m in module.named_modules() if type(m) in (nn.Linear, conv1d) and
              (want is None or n.rpartition(".")[2] in want)]
+    kinds = {n.rpartition(".")[2]: type(m) is conv1d for n, m in found}
     for _, lin in found:
+        transposed = type(lin) is conv1d
+        fan_in, fan_out = lin.weight.shape if transposed else lin.weight.shape[::-1]
         kw = {"device": lin.weight.device, "dtype": lin.weight.dtype}
-        lin.lora_A = nn.Linear(lin.in_features, rank, bias=False, **kw)
-        lin.lora_B = nn.Linear(rank, lin.out_features, bias=False, **kw)
+        lin.lora_A = nn.Linear(fan_in, rank, bias=False, **kw)
+        lin.lora_B = nn.Linear(rank, fan_out, bias=False, **kw)
         lin.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         lin.scaling = alpha / rank
-        lin.__class__ = LoraLinear
-    return {n.rpartition(".")[2] for n, _ in found}
+        lin.__class__ = _lora_conv1d(conv1d) if transposed else LoraLinear
+    return kinds
+
+
+def modules_to_save(spec: str, classifies: bool) -> tuple[str, ...]:
+    """``--lora-modules-to-save``: the names of modules trained whole beside the adapters
+    ("auto": a sequence classifier's head, as PEFT's SEQ_CLS; "none": nothing)."""
+    spec = spec.strip()
+    if spec == "auto":
+        return CLASSIFIER_HEADS if classifies else ()
+    if spec == "none":
+        return ()
+    return tuple(t.strip() for t in spec.split(",") if t.strip())
+
+
+def saved(hf_name: str, modules: tuple[str, ...]) -> bool:
+    """Whether the checkpoint tensor ``hf_name`` lies in one of ``modules``: PEFT's rule, a
+    module whose qualified name is the name or ends with "." and the name, and all in it."""
+    return any(f".{m}." in f".{hf_name}" for m in modules)
 
 
 class LoraInit:
@@ -103,12 +159,15 @@ def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict) -> No
                       {"format": "pt"})
 
 
-def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float) -> dict:
-    """The base weights with each adapter folded in (W + s * B @ A), the adapter left out."""
+def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
+           fan_in_fan_out: bool = False) -> dict:
+    """The base weights with each adapter folded in (W + s * B @ A; a ``Conv1D``'s weight,
+    ``fan_in_fan_out``, gets its transpose), the adapter left out."""
     out = {k: v for k, v in tensors.items() if not is_adapter(k[1])}
     for (layer, name), a in tensors.items():
         if name.endswith(".lora_A.weight"):
             prefix = name[:-len(".lora_A.weight")]
-            b = tensors[layer, prefix + ".lora_B.weight"]
-            out[layer, prefix + ".weight"] = out[layer, prefix + ".weight"] + scaling * (b @ a)
+            delta = tensors[layer, prefix + ".lora_B.weight"] @ a
+            w = out[layer, prefix + ".weight"]
+            out[layer, prefix + ".weight"] = w + scaling * (delta.T if fan_in_fan_out else delta)
     return out

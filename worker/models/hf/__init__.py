@@ -65,11 +65,17 @@ class HfModel(LayeredModel):
         if not self.reads_head:
             log.warning("%s is a %s: trained as a %s from its base model (its own head is not "
                         "read)", self.path, source, trained)
+        # LoRA: the modules trained whole beside the adapters (PEFT's modules_to_save)
+        self.lora_saved = lora.modules_to_save(cfg.lora_modules_to_save,
+                                               self.objective == "classify")
         if self.objective == "classify":
-            if cfg.lora_rank and not (self.reads_head and families.classifies(c)):
-                raise ValueError("--lora-rank trains adapters only: a new classifier head "
-                                 f"({self.path} is not a sequence classifier) would stay "
-                                 "at its random start")
+            head_trains = any(lora.saved(h + "weight", self.lora_saved)
+                              for h in self.family.head)
+            if cfg.lora_rank and not head_trains and not (self.reads_head and
+                                                          families.classifies(c)):
+                raise ValueError(f"--lora-modules-to-save {cfg.lora_modules_to_save} leaves "
+                                 f"the new classifier head ({self.path} is not a sequence "
+                                 "classifier) frozen at its random start")
             self._labels(cfg.classes)
         if self.family is families.DECODER_CLASSIFIER and c.pad_token_id is None:
             # pooled at the last token that is not padding: the config names the padding, the
@@ -88,6 +94,7 @@ class HfModel(LayeredModel):
                             if isinstance(v, float) and "drop" in k), default=0.0)
         self._kinds = families.block_kinds(c)
         self.lora_modules: set[str] = set()  # names of the linear layers LoRA adapts
+        self.lora_fan_in_fan_out = False  # whether they are Conv1D (GPT-2's: weight in x out)
 
     def _labels(self, classes: int) -> None:
         """A sequence classifier's checkpoint decides its labels (--classes may only agree); a
@@ -125,16 +132,35 @@ class HfModel(LayeredModel):
         cfg = self.cfg
         if cfg.lora_rank and kind not in ("embed", "head"):  # LoRA on the blocks' linears
             found = lora.apply(module, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
-                               cfg.lora_dropout)
+                               cfg.lora_dropout, self.config.model_type)
             if not found:
                 raise ValueError(f"--lora-targets {cfg.lora_targets} matches no linear layer "
-                                 f"of a {self.config.model_type} block (GPT-2's are Conv1D)")
-            self.lora_modules |= found
+                                 f"of a {self.config.model_type} block")
+            self.lora_modules |= found.keys()
+            self.lora_fan_in_fan_out |= any(found.values())
         return module
 
+    def lora_trains(self):
+        if not self.cfg.lora_rank:
+            return None
+        return lambda layer, tensor: lora.is_adapter(tensor) or lora.saved(
+            self.family.hf_name(layer, tensor), self.lora_saved)
+
+    def manifest(self):
+        manifest = super().manifest()
+        if self.cfg.lora_rank and self.cfg.lora_modules_to_save.strip() not in ("auto", "none"):
+            names = [self.family.hf_name(*(t.tie or (la.name, t.name)))
+                     for la in manifest.layers for t in la.tensors]  # (a tie: its owner)
+            unused = [m for m in self.lora_saved if not any(lora.saved(n, (m,)) for n in names)]
+            if unused:
+                raise ValueError(f"--lora-modules-to-save {unused[0]!r} matches no module of "
+                                 f"the model (a tied tensor is its owner's, e.g. {names[0]})")
+        return manifest
+
     def exported(self, plan) -> list[str]:
-        if self.cfg.lora_rank and not self.cfg.merge:  # the adapter alone
-            return [s.name for s in plan.tensors if lora.is_adapter(s.name)]
+        if self.cfg.lora_rank and not self.cfg.merge:  # the adapter (and modules_to_save)
+            trains = self.lora_trains()
+            return [s.name for s in plan.tensors if trains(plan.name, s.name)]
         return super().exported(plan)
 
     def layer_kinds(self) -> list[tuple[str, str]]:
@@ -168,18 +194,21 @@ class HfModel(LayeredModel):
         cfg = self.cfg
         if not cfg.lora_rank:
             return export(self, path, tensors)
+        self.manifest()  # (the targeted modules' names and kinds)
         if cfg.merge:
-            return export(self, path, lora.merged(tensors, cfg.lora_alpha / cfg.lora_rank))
-        self.manifest()  # (the targeted modules' names)
+            return export(self, path, lora.merged(tensors, cfg.lora_alpha / cfg.lora_rank,
+                                                  self.lora_fan_in_fan_out))
+        trains = self.lora_trains()
         named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
-                 if lora.is_adapter(n)}
+                 if trains(layer, n)}
         lora.adapter_files(path, named, {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if self.objective == "lm" else
             "SEQ_CLS", "base_model_name_or_path": os.path.abspath(self.path),
             "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
             "target_modules": sorted(self.lora_modules), "bias": "none",
-            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None})
+            "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
+            "inference_mode": True, "use_rslora": False, "use_dora": False,
+            "modules_to_save": list(self.lora_saved) or None})
 
     def tokenizer(self):
         from transformers import AutoTokenizer
