@@ -275,7 +275,7 @@ class EpsCore:
             heartbeat_interval=self.cfg.heartbeat_timeout / 4,
             compute_dtype=self.cfg.compute_dtype, grad_dtype=grad_dtype,
             master=self.store.master_info(), compute=self.store.compute_info(),
-            grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_layer_numel,
+            grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_trainable_numel,
             world_size=self.cfg.world_size, optimizer=self.cfg.optimizer.as_dict(),
             rank=rank, **transport.welcome()))]
 

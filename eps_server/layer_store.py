@@ -179,7 +179,7 @@ class LayerStore:
         """Rank's gradient slots; created on first use and kept for a rank that says Hello
         again as long as the size agrees, unless ``fresh`` (the old one is unlinked; mappings
         that reductions still read stay valid until they are done)."""
-        nbytes = slots * self.layout.max_layer_numel * DTYPES[dtype].itemsize
+        nbytes = slots * self.layout.max_trainable_numel * DTYPES[dtype].itemsize
         region = self._grad_regions.get(rank)
         if region is not None and (fresh or region.nbytes != nbytes):
             self._grad_regions.pop(rank)

@@ -50,7 +50,8 @@ class ShmTransport:
             return frame_tensor(frames[0], msg.dtype, plan.trainable)
         if not 0 <= msg.slot < self.slots:
             raise RequestError("bad_request", f"slot must be in [0, {self.slots})", "slot")
-        return self.grads.tensor(DTYPES[msg.dtype], msg.slot * self.store.layout.max_layer_numel,
+        return self.grads.tensor(DTYPES[msg.dtype],
+                                 msg.slot * self.store.layout.max_trainable_numel,
                                  plan.trainable)
 
 

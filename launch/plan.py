@@ -31,16 +31,23 @@ def shm_regions(args: LaunchArgs) -> list[Need]:
     server, w, n = server_config(args, "", "plan"), args.worker, args.launch.workers
     compute = server.compute_dtype
     grads = compute if w.grad_dtype == "compute" else "float32"
-    rows = [Need("fp32 master weights", layout.nbytes("float32"))]
-    if compute != "float32":
+    # the master: each layer's trained prefix (--freeze, LoRA), or this box's span of it
+    # (--eps-mode shard); the served copy is then a region of its own, whole
+    sharding = server.boxes.sharding
+    master = sum(hi - lo for lo, hi in ((0, p.trainable) if sharding is None else
+                                        sharding.span(p.trainable) for p in layout.layers))
+    part = (f", this box's 1/{sharding.count}" if sharding is not None else "") + (
+        ", trained tensors" if layout.frozen else "")
+    rows = [Need(f"fp32 master weights{f' ({part[2:]})' if part else ''}", 4 * max(1, master))]
+    if compute != "float32" or master != layout.total_numel:
         rows.append(Need(f"{compute} compute copy", layout.nbytes(compute)))
     rows.append(Need("layer versions", 8 * len(layout.layers)))
     if server.recovery:
         rows.append(Need(f"previous versions ({compute}, recovery)", layout.nbytes(compute)))
     if w.transport == "shm":
         rows.append(Need(f"gradient slots: {n} workers x {server.grad_slots} x the largest "
-                         f"layer ({grads})", n * server.grad_slots * layout.max_layer_numel
-                         * itemsize(grads), per_worker=True))
+                         f"layer's trained part ({grads})", n * server.grad_slots
+                         * layout.max_trainable_numel * itemsize(grads), per_worker=True))
     if w.stash == "eps":
         hidden = getattr(getattr(model, "config", None), "hidden_size", args.model.hidden)
         entry = w.micro_batch_size * args.model.seq_len * hidden * itemsize(compute)

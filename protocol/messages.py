@@ -17,7 +17,7 @@ from .box_info import BoxInfo
 from .lifecycle import IDENTITY
 from .tensors import ITEMSIZES, Manifest
 
-PROTOCOL_VERSION = 5  # what each version added: SPEC.md, "Versions"
+PROTOCOL_VERSION = 6  # what each version added: SPEC.md, "Versions"
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank

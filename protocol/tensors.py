@@ -253,6 +253,12 @@ class Layout:
         return max(p.numel for p in self.layers)
 
     @property
+    def max_trainable_numel(self) -> int:
+        """The largest trainable prefix: a gradient slot's elements (a LoRA or --freeze job
+        pushes its trained tensors only, far fewer than a layer holds)."""
+        return max(1, max(p.trainable for p in self.layers))
+
+    @property
     def frozen(self) -> bool:
         """Some tensor is frozen: the master holds the trainable prefixes only."""
         return any(p.trainable < p.numel for p in self.layers)
@@ -317,6 +323,14 @@ def views(flat: torch.Tensor, plan: LayerPlan) -> list[torch.Tensor]:
 def named_views(flat: torch.Tensor, plan: LayerPlan) -> dict[str, torch.Tensor]:
     """{tensor name: view} of one layer's flat buffer (its own tensors)."""
     return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors}
+
+
+def trained_views(flat: torch.Tensor, plan: LayerPlan, names) -> dict[str, torch.Tensor]:
+    """{name: view} of the trained tensors ``names`` in a buffer of the layer's trainable
+    prefix (a gradient: the frozen tensors after it have none)."""
+    slots = {s.name: s for s in plan.tensors}
+    return {n: flat[slots[n].offset:slots[n].offset + slots[n].numel].view(slots[n].shape)
+            for n in names}
 
 
 def manifest_to_json(m: Manifest) -> dict:

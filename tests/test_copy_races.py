@@ -155,11 +155,11 @@ class SharedSlots:
     """The rank's gradient slots (shm transport), as worker.regions.GradSlots hands them out."""
 
     def __init__(self, layout):
-        self.stride = layout.max_layer_numel
+        self.stride = layout.max_trainable_numel
         self.data = torch.zeros(SLOTS * self.stride)
 
     def slot(self, slot: int, plan) -> torch.Tensor:
-        return self.data[slot * self.stride:slot * self.stride + plan.numel]
+        return self.data[slot * self.stride:slot * self.stride + plan.trainable]
 
 
 def clocked_slot_ring(hb: HappensBefore):
@@ -214,7 +214,7 @@ def races(monkeypatch, transport: str, model: str, micro_batches: int, layer_dro
                 hb.watch(shared.data[s * shared.stride:(s + 1) * shared.stride],
                          f"shared slot {s}")
         else:
-            out = ToFrame([torch.empty(layout.max_layer_numel) for _ in range(SLOTS)], True)
+            out = ToFrame([torch.empty(layout.max_trainable_numel) for _ in range(SLOTS)], True)
             for s, t in enumerate(out.staging):
                 hb.watch(t, f"staging slot {s}")
         grads = DeviceGrads(eps, layout, device=cpu, out=out, rank=0, dtype="float32",

@@ -152,6 +152,37 @@ def test_the_plan_is_the_shared_memory_the_eps_creates(tmp_path):
     assert seen == expected
 
 
+@pytest.mark.parametrize("precision, extra", [
+    ("fp32", ("--freeze", "pre.*,blocks.0.*")), ("bf16", ("--freeze", "pre.*,blocks.0.*")),
+    ("bf16", ("--nodes", "2", "--node-rank", "1", "--eps-mode", "shard"))])
+def test_the_plan_of_a_frozen_or_sharded_job_is_what_its_store_creates(precision, extra):
+    """The master holds the trained tensors (or this box's part of them), the served copy is
+    then a region of its own even in fp32, and a gradient slot holds a layer's trained part:
+    --plan says what the EPS's LayerStore makes of it, to the byte."""
+    import secrets
+
+    from eps_server.layer_store import LayerStore
+    from launch.roles import server_config
+    from worker.models import build_model
+
+    args = cli.parse(LaunchArgs, ["--workers", "2", "--model", "gpt", "--layers", "3",
+                                  "--hidden", "32", "--heads", "2", "--vocab", "64",
+                                  "--seq-len", "16", "--precision", precision, *extra],
+                     "l2l-launch")
+    server = server_config(args, "", "plan")
+    store = LayerStore(build_model(args.model).manifest(), "p" + secrets.token_hex(4),
+                       server.compute_dtype, retain=server.recovery,
+                       sharding=server.boxes.sharding)
+    try:
+        grads = server.compute_dtype if args.worker.grad_dtype == "compute" else "float32"
+        for rank in range(2):
+            store.grad_region(rank, grads, server.grad_slots)
+        made = sum(region.nbytes for region in store._regions)
+    finally:
+        store.close()
+    assert made == sum(r.nbytes for r in shm_regions(args))
+
+
 class ComposeJob:
     """The eps and worker commands of docker-compose.yml (parsed from the file, .env
     substituted as compose does), run as plain processes with the container paths mapped to

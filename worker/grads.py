@@ -37,7 +37,8 @@ class GradPath:
         self._pushes: list[Future] = []
 
     def buffer(self, plan: LayerPlan) -> tuple[int, torch.Tensor]:
-        """(slot, flat fp32 buffer) to accumulate ``plan``'s gradient into."""
+        """(slot, flat fp32 buffer) to accumulate ``plan``'s gradient into: its trainable
+        prefix."""
         self._raise_refused()
         with self.tracer.span("wait slot", "wait"):
             slot = self.slots.acquire(self.timeout)
@@ -132,11 +133,11 @@ class StagedGrads(GradPath):
     def __init__(self, *args, device: torch.device, out: ToSlot | ToFrame, **kw):
         super().__init__(*args, **kw)
         self.out = out
-        self.local = [torch.empty(self.layout.max_layer_numel, dtype=torch.float32,
+        self.local = [torch.empty(self.layout.max_trainable_numel, dtype=torch.float32,
                                   device=device) for _ in range(self.slots.size)]
 
     def _buffer(self, slot, plan):
-        return self.local[slot][:plan.numel]
+        return self.local[slot][:plan.trainable]
 
     def _push(self, step, plan, slot, buf):
         return self._send(step, plan, slot, self.out.put(slot, plan, buf))

@@ -142,15 +142,16 @@ class SlotRing:
 
 
 class GradSlots:
-    """The rank's gradient-slot region (shm transport): slot s holds a layer's flat gradient."""
+    """The rank's gradient-slot region (shm transport): slot s holds a layer's flat gradient
+    (its trainable prefix)."""
 
     def __init__(self, regions: Regions, welcome: Welcome, layout: Layout, dtype: torch.dtype):
         self.region = regions.attach(welcome.grads, writable=True)
-        self.stride = layout.max_layer_numel
+        self.stride = layout.max_trainable_numel
         self.dtype = dtype
 
     def slot(self, slot: int, plan: LayerPlan) -> torch.Tensor:
-        return self.region.tensor(self.dtype, slot * self.stride, plan.numel)
+        return self.region.tensor(self.dtype, slot * self.stride, plan.trainable)
 
 
 def padding_gaps(plan: LayerPlan) -> list[tuple[int, int]]:

@@ -166,7 +166,7 @@ def make_source(client: EpsClient, welcome: Welcome, layout: Layout, cfg: Worker
         if shm:
             out: ToSlot | ToFrame = ToSlot(GradSlots(regions, welcome, layout, wire), cuda)
         else:
-            staging = [torch.empty(layout.max_layer_numel, dtype=wire, pin_memory=cuda)
+            staging = [torch.empty(layout.max_trainable_numel, dtype=wire, pin_memory=cuda)
                        for _ in range(welcome.grad_slots)] if cuda or wire != torch.float32 else []
             out = ToFrame(staging, cuda)
         if cuda:
