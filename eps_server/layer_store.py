@@ -2,11 +2,13 @@
 
 Regions (all created by the EPS, mode 0600, unlinked by the EPS alone; every name ends with a
 random part, ``-<x>``, so nobody can create one first to make the EPS fail):
-  l2l-<run>-master-<x>    fp32 master of every layer, in the flat layout of protocol.tensors
-                          (--eps-mode shard: this box's span of each layer, back to back)
-  l2l-<run>-compute-<x>   compute-precision copy (bf16/fp16; fp32 only in shard mode, else the
-                          master is served)
-  l2l-<run>-grads-r<k>-<dtype>-<x>  rank k's gradient slots, ``grad_slots`` x the largest layer
+  l2l-<run>-master-<x>    fp32 master of every layer's trainable prefix (--freeze, LoRA), in
+                          the flat layout of protocol.tensors (--eps-mode shard: this box's
+                          span of each, back to back)
+  l2l-<run>-compute-<x>   the served copy, whole (bf16/fp16; in fp32 only when the master is
+                          not whole: frozen tensors or shards, else the master is served)
+  l2l-<run>-grads-r<k>-<dtype>-<x>  rank k's gradient slots, ``grad_slots`` x the largest
+                          trainable prefix
   l2l-<run>-stash-r<k>-<x>  rank k's stash arena (``--stash eps``), sized by the worker
   l2l-<run>-retained-<x>  (--recovery) each layer's previous served version, copied just
                           before an update: what a worker replacing a dead one reads to redo

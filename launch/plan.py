@@ -46,7 +46,7 @@ def shm_regions(args: LaunchArgs) -> list[Need]:
         rows.append(Need(f"previous versions ({compute}, recovery)", layout.nbytes(compute)))
     if w.transport == "shm":
         rows.append(Need(f"gradient slots: {n} workers x {server.grad_slots} x the largest "
-                         f"layer's trained part ({grads})", n * server.grad_slots
+                         f"trained part of a layer ({grads})", n * server.grad_slots
                          * layout.max_trainable_numel * itemsize(grads), per_worker=True))
     if w.stash == "eps":
         hidden = getattr(getattr(model, "config", None), "hidden_size", args.model.hidden)

@@ -192,7 +192,9 @@ def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, f
 def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
     """A causal LM given --classes gets a new head, trained whole beside the adapters (PEFT's
     SEQ_CLS: modules_to_save); with --lora-modules-to-save none it would never leave its random
-    start and is refused; a module name that matches nothing is refused."""
+    start and is refused; a module name that matches nothing is refused; names match as PEFT
+    matches them (a module whose name ends with one); a tied embedding is refused (PEFT's
+    adapter would load it apart from the LM head that reads it)."""
     path = fx.model_dir(tmp_path / "model", "llama")
 
     def trained(model_dir, **kw):
@@ -208,6 +210,12 @@ def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
     with pytest.raises(ValueError, match="'embed' matches no module"):
         trained(path, lora_modules_to_save="embed")
     assert "embed_tokens.weight" in trained(path, lora_modules_to_save="embed_tokens")
+    norms = {n for n in trained(path, lora_modules_to_save="norm") if ".lora_" not in n}
+    assert norms == {"layer.input_layernorm.weight", "layer.post_attention_layernorm.weight",
+                     "norm.weight"}, norms
+    tied = fx.model_dir(tmp_path / "tied", "qwen2")
+    with pytest.raises(ValueError, match="tied embeddings"):
+        trained(tied, lora_modules_to_save="embed_tokens")
     cls = fx.model_dir(tmp_path / "cls", "llama-cls")  # its own head: frozen when told
     names = trained(cls, lora_modules_to_save="none")
     assert names and all(".lora_" in n for n in names)

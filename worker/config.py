@@ -57,21 +57,22 @@ class ModelConfig:
     owner."""
     lora_rank: int = 0
     """LoRA on a Hugging Face model: the rank r of the adapters added to the blocks' targeted
-    linear layers; the base model is frozen (as --freeze freezes) and only the adapters train,
-    initialised as PEFT does. --save writes the adapter PEFT loads (--merge: the merged model).
-    0: off."""
+    linear layers; the base model is frozen (as --freeze freezes) and the adapters train
+    (with --lora-modules-to-save), initialised as PEFT does. --save writes the adapter PEFT
+    loads (--merge: the merged model). 0: off."""
     lora_alpha: float = 8.0
     """LoRA's scale: the update is (alpha / r) B A x (PEFT's lora_alpha)."""
     lora_targets: str = "auto"
     """The linear layers of the blocks that get adapters: their names (the last part of the
     module's name, e.g. q_proj,k_proj,v_proj,o_proj), all-linear (GPT-2's Conv1D layers
-    included), or auto: PEFT's default for the model type (query,value for BERT and RoBERTa,
-    c_attn for GPT-2, qkv_proj for Phi-3, q_proj,v_proj for the other decoders)."""
+    included), or auto: PEFT's default where it has one (query,value for BERT and RoBERTa,
+    c_attn for GPT-2, q_proj,v_proj for Llama, Mistral, Qwen and Gemma), else qkv_proj for
+    Phi-3 and q_proj,v_proj."""
     lora_modules_to_save: str = "auto"
-    """With LoRA: modules trained whole beside the adapters, as PEFT's modules_to_save (names
-    matched as PEFT matches them, e.g. classifier, embed_tokens,lm_head), saved with the
-    adapter; auto: a sequence classifier's head (classifier, score; PEFT's SEQ_CLS task), so a
-    new head learns; none: nothing."""
+    """With LoRA: modules trained whole beside the adapters, as PEFT's modules_to_save (a module
+    whose name ends with one of them, e.g. classifier, or embed_tokens,lm_head where they are
+    not tied), saved with the adapter; auto: a sequence classifier's head (classifier, score;
+    PEFT's SEQ_CLS task), so a new head learns; none: nothing."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input (PEFT's lora_dropout)."""
     merge: bool = False

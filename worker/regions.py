@@ -2,7 +2,8 @@
 
 - Weights: a LayerReady names a region and offset (shm) or carries the bytes (frames);
   ``layer_view`` returns a tensor over them, checked against the layer's plan.
-- Gradient slots: ``grad_slots`` slots of the largest layer's size in the rank's region; a slot
+- Gradient slots: ``grad_slots`` slots of the largest trainable prefix (``Layout.
+  max_trainable_numel``: a layer whole unless tensors are frozen) in the rank's region; a slot
   is taken before a layer's backward and given back when the EPS acks the push (it has been
   reduced). ``SlotRing`` hands them out.
 - On CUDA every mapping is registered as pinned memory once (cudaHostRegister), so host<->device

@@ -29,9 +29,9 @@ from protocol.safetensors_io import write_safetensors
 from protocol.tensors import LayerPlan
 
 ADAPTER = (".lora_A.weight", ".lora_B.weight")
-# "auto" targets: PEFT's defaults for these model types (its
-# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; Phi-3's fused projection where PEFT has
-# none), the attention's query and value projections of the others.
+# "auto" targets: PEFT's defaults (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for
+# these model types, q_proj,v_proj for the others (PEFT's own for Llama, Mistral, Qwen, Gemma;
+# its choice for OLMo 2, SmolLM3, Granite, where PEFT has none), Phi-3's fused projection.
 AUTO_TARGETS = {"bert": "query,value", "roberta": "query,value", "xlm-roberta": "query,value",
                 "gpt2": "c_attn", "phi3": "qkv_proj"}
 # "auto" modules trained whole: PEFT's for a sequence classifier (SEQ_CLS), none for an LM
@@ -113,9 +113,11 @@ def modules_to_save(spec: str, classifies: bool) -> tuple[str, ...]:
 
 
 def saved(hf_name: str, modules: tuple[str, ...]) -> bool:
-    """Whether the checkpoint tensor ``hf_name`` lies in one of ``modules``: PEFT's rule, a
-    module whose qualified name is the name or ends with "." and the name, and all in it."""
-    return any(f".{m}." in f".{hf_name}" for m in modules)
+    """Whether the checkpoint tensor ``hf_name`` lies in one of ``modules``: in a module whose
+    qualified name ends with one of the names (PEFT's rule: "norm" is every norm)."""
+    parts = hf_name.split(".")[:-1]
+    paths = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(p.endswith(m) for p in paths for m in modules)
 
 
 class LoraInit:

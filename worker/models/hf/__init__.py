@@ -148,13 +148,22 @@ class HfModel(LayeredModel):
 
     def manifest(self):
         manifest = super().manifest()
-        if self.cfg.lora_rank and self.cfg.lora_modules_to_save.strip() not in ("auto", "none"):
-            names = [self.family.hf_name(*(t.tie or (la.name, t.name)))
-                     for la in manifest.layers for t in la.tensors]  # (a tie: its owner)
-            unused = [m for m in self.lora_saved if not any(lora.saved(n, (m,)) for n in names)]
-            if unused:
-                raise ValueError(f"--lora-modules-to-save {unused[0]!r} matches no module of "
-                                 f"the model (a tied tensor is its owner's, e.g. {names[0]})")
+        if not self.cfg.lora_rank:
+            return manifest
+        given = self.cfg.lora_modules_to_save.strip()
+        names = [self.family.hf_name(*(t.tie or (la.name, t.name)))
+                 for la in manifest.layers for t in la.tensors]  # (a tie: its owner)
+        unused = [m for m in self.lora_saved if not any(lora.saved(n, (m,)) for n in names)]
+        if unused and given not in ("auto", "none"):
+            raise ValueError(f"--lora-modules-to-save {unused[0]!r} matches no module of the "
+                             f"model (a tied tensor is its owner's, e.g. {names[0]})")
+        for la in manifest.layers:  # PEFT would load a tied tensor's trained copy apart from
+            for t in la.tensors:    # its reader (the LM head keeps the base embedding)
+                if t.tie and lora.saved(self.family.hf_name(*t.tie), self.lora_saved):
+                    raise ValueError(
+                        f"--lora-modules-to-save trains {self.family.hf_name(*t.tie)}, which "
+                        f"{self.family.hf_name(la.name, t.name)} reads (tied embeddings): "
+                        "PEFT's adapter would load it untied; leave it out")
         return manifest
 
     def exported(self, plan) -> list[str]:
