@@ -37,7 +37,6 @@ from .layer_math import Checked
 
 log = logging.getLogger("eps_server")
 
-
 AGREE_SLOTS = 64  # checkpoints a box offers when the boxes agree on one to resume from
 
 
@@ -180,22 +179,30 @@ class CrossBox:
 
     @staticmethod
     def join(cfg: BoxesConfig) -> None:
-        """The rendezvous: box 0 serves the store on master_port; every box connects."""
+        """The rendezvous: box 0 serves the store on master_port; every box connects, trying
+        until ``box_timeout`` (a restarted job may meet the last run's store as it exits)."""
         import torch.distributed as dist
 
         if cfg.master_addr in ("127.0.0.1", "localhost", "::1"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group's pairs on loopback
         log.info("box %d of %d: joining the boxes' group at %s:%d (up to %g s)", cfg.node_rank,
                  cfg.nodes, cfg.master_addr, cfg.master_port, cfg.box_timeout)
-        try:
-            dist.init_process_group(
-                "gloo", init_method="env://" if cfg.rendezvous == "env" else
-                f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=cfg.node_rank,
-                world_size=cfg.nodes, timeout=datetime.timedelta(seconds=cfg.box_timeout))
-        except Exception as e:  # the store's timeout, a port in use, an unreachable box 0
-            raise BoxLost(f"box {cfg.node_rank} could not join the {cfg.nodes} boxes at "
-                          f"{cfg.master_addr}:{cfg.master_port} within {cfg.box_timeout:g} s: "
-                          f"{e}") from None
+        deadline = time.monotonic() + cfg.box_timeout
+        while True:
+            try:
+                return dist.init_process_group(
+                    "gloo", init_method="env://" if cfg.rendezvous == "env" else
+                    f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=cfg.node_rank,
+                    world_size=cfg.nodes, timeout=datetime.timedelta(
+                        seconds=max(deadline - time.monotonic(), 1)))
+            except Exception as e:  # the store's timeout, a port in use, an unreachable box 0
+                if time.monotonic() + 1 >= deadline:  # (a try a second)
+                    raise BoxLost(f"box {cfg.node_rank} could not join the {cfg.nodes} boxes "
+                                  f"at {cfg.master_addr}:{cfg.master_port} within "
+                                  f"{cfg.box_timeout:g} s: {e}") from None
+                log.warning("box %d: joining failed, trying again: %s", cfg.node_rank, e)
+                time.sleep(1)
+                dist.distributed_c10d._world.group_count = 0  # its name counts the tries
 
     @staticmethod
     def agree_on_checkpoint(cfg: BoxesConfig, load: str) -> str:
