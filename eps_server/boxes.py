@@ -1,9 +1,9 @@
 """The EPSes of a job over several boxes (``--nodes N``): one torch.distributed gloo group,
-joined by the env:// contract (MASTER_ADDR, MASTER_PORT, the box's rank, N). In ``replicate``
-mode every box holds the master and optimizer state of every layer; in ``shard`` mode (ZeRO-1
-across the boxes) each holds 1/N of every layer's (protocol/shards.py), the summed gradient is
-scattered (``reduce_shard``), each box updates its part, and the served copy is gathered
-(``gather``).
+joined in rendezvous.py (box 0's store at MASTER_ADDR:MASTER_PORT, the box's rank, N). In
+``replicate`` mode every box holds the master and optimizer state of every layer; in ``shard``
+mode (ZeRO-1 across the boxes) each holds 1/N of every layer's (protocol/shards.py), the
+summed gradient is scattered (``reduce_shard``), each box updates its part, and the served copy
+is gathered (``gather``).
 
 When a layer's gradient is complete on a box (its local workers' parts), the engine updating
 it sums the parts into an fp32 buffer and all-reduces that across the boxes at once, so the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from .config import BoxesConfig
 from .layer_math import Checked
 
 log = logging.getLogger("eps_server")
+
 
 AGREE_SLOTS = 64  # checkpoints a box offers when the boxes agree on one to resume from
 
@@ -134,7 +134,7 @@ class Sequence:
 
 
 class CrossBox:
-    """This EPS's membership of the boxes' group (``join`` blocks until every box is there).
+    """This EPS's membership of the boxes' group (once joined: rendezvous.py).
 
     ``replicas``: what must be equal on every box, layer by layer (the checksums): the fp32
     masters in replicate mode, the served copies in shard mode. ``engines``: in shard mode,
@@ -176,33 +176,6 @@ class CrossBox:
         from .engines import MAX_ENGINES
 
         return MAX_ENGINES if cfg.boxes.sharding is not None else cfg.math_threads
-
-    @staticmethod
-    def join(cfg: BoxesConfig) -> None:
-        """The rendezvous: box 0 serves the store on master_port; every box connects, trying
-        until ``box_timeout`` (a restarted job may meet the last run's store as it exits)."""
-        import torch.distributed as dist
-
-        if cfg.master_addr in ("127.0.0.1", "localhost", "::1"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group's pairs on loopback
-        log.info("box %d of %d: joining the boxes' group at %s:%d (up to %g s)", cfg.node_rank,
-                 cfg.nodes, cfg.master_addr, cfg.master_port, cfg.box_timeout)
-        deadline = time.monotonic() + cfg.box_timeout
-        while True:
-            try:
-                return dist.init_process_group(
-                    "gloo", init_method="env://" if cfg.rendezvous == "env" else
-                    f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=cfg.node_rank,
-                    world_size=cfg.nodes, timeout=datetime.timedelta(
-                        seconds=max(deadline - time.monotonic(), 1)))
-            except Exception as e:  # the store's timeout, a port in use, an unreachable box 0
-                if time.monotonic() + 1 >= deadline:  # (a try a second)
-                    raise BoxLost(f"box {cfg.node_rank} could not join the {cfg.nodes} boxes "
-                                  f"at {cfg.master_addr}:{cfg.master_port} within "
-                                  f"{cfg.box_timeout:g} s: {e}") from None
-                log.warning("box %d: joining failed, trying again: %s", cfg.node_rank, e)
-                time.sleep(1)
-                dist.distributed_c10d._world.group_count = 0  # its name counts the tries
 
     @staticmethod
     def agree_on_checkpoint(cfg: BoxesConfig, load: str) -> str:

@@ -29,7 +29,7 @@ from protocol.messages import (
 )
 from protocol.tensors import Manifest
 
-from . import checkpoint
+from . import checkpoint, rendezvous
 from .boxes import CrossBox
 from .config import ServerConfig, with_changes
 from .core import EpsCore
@@ -66,7 +66,7 @@ def join_and_load(cfg: ServerConfig, run_id: str, joined: Callable[[], None], **
     load, notify = cfg.load, kw.get("notify", lambda ev: None)
     if cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
         notify(Starting(phase="joining", total=cfg.boxes.nodes, patience=cfg.boxes.box_timeout))
-        CrossBox.join(cfg.boxes)
+        rendezvous.join(cfg.boxes)
         load = CrossBox.agree_on_checkpoint(cfg.boxes, load)
         joined()
     return load_core(cfg, load, run_id, **kw) if load else None

@@ -1,5 +1,5 @@
 """The boxes' rendezvous when a restarted job meets the last run's: real processes, a real
-torch.distributed TCP store and gloo group on loopback."""
+torch.distributed TCP store and gloo groups on loopback."""
 
 from __future__ import annotations
 
@@ -11,61 +11,62 @@ import time
 
 from .helpers import ENV, free_port
 
-# The last run's box 0 as it exits: its store holds the port (with its keys) until told.
-OLD_STORE = """
-import datetime, sys
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True,
-                      timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-store.set("stale", "x")
-print("up", flush=True)
-sys.stdin.readline()
-"""
-
+# A box: joins, sums a one across the boxes, says so; box 0 of the last run then stays (as an
+# exiting EPS's does, its store holding the port and the old group's keys) until told.
 BOX = """
 import logging, sys
 import torch, torch.distributed as dist
-from eps_server.boxes import CrossBox
 from eps_server.config import BoxesConfig
+from eps_server.rendezvous import join
 logging.basicConfig(level=logging.INFO)
-CrossBox.join(BoxesConfig(nodes=2, node_rank=int(sys.argv[1]), master_port=int(sys.argv[2]),
-                          box_timeout=30))
+rank, port, last = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "last"
+join(BoxesConfig(nodes=2, node_rank=rank, master_port=port, box_timeout=60))
 t = torch.ones(1)
 dist.all_reduce(t)
 print("joined", t.item(), flush=True)
+if last and rank == 0:
+    sys.stdin.readline()
 """
 
 
-def test_boxes_join_once_the_last_runs_store_has_gone(tmp_path):
-    """Box 0 finds the port held (and box 1, started with it, the old store); once the old
-    store has gone both join one group, whose all-reduce sums both boxes: a failed try is
-    made again (each would have cost the job a restart)."""
+def test_a_restarted_job_joins_once_the_last_runs_box_0_has_gone(tmp_path):
+    """The last run's boxes joined; its box 1 is gone, its box 0 still holds the port (and
+    the store, with the old group's addresses). The new box 0 finds the port held, the new box
+    1 finds its rank claimed in the old store: both try again (a failed try cost the job a
+    restart; a box that took the old keys would join a dead run). Once the old box 0 has gone
+    they join one group, whose all-reduce sums both boxes."""
     port = free_port()
     procs = []
 
-    def start(code: str, *args, log=None) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=ENV,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             stderr=log or subprocess.DEVNULL, start_new_session=True)
+    def start(rank: int, run: str) -> tuple[subprocess.Popen, object]:
+        log = tmp_path / f"{run}-box{rank}.log"
+        p = subprocess.Popen([sys.executable, "-c", BOX, str(rank), str(port), run], env=ENV,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=log.open("w"), text=True, start_new_session=True)
         procs.append(p)
-        return p
+        return p, log
+
+    def wait_for(what: str, p: subprocess.Popen, log, times: int = 1) -> None:
+        for _ in range(900):
+            if log.read_text().count(what) >= times:
+                return
+            assert p.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        raise AssertionError(f"never said {what!r} {times} times: {log.read_text()[-3000:]}")
 
     try:
-        old = start(OLD_STORE, port)
-        assert old.stdout.readline().strip() == "up"
-        logs = [tmp_path / f"box{rank}.log" for rank in (0, 1)]
-        boxes = [start(BOX, rank, port, log=logs[rank].open("w")) for rank in (0, 1)]
-        for _ in range(600):  # until box 0 has met the port held
-            if "box 0: joining failed, trying again" in logs[0].read_text():
-                break
-            assert boxes[0].poll() is None, logs[0].read_text()[-3000:]
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"box 0 never met the old store: {logs[0].read_text()}")
-        old.communicate("\n", timeout=30)  # the last run's box 0 exits
-        for rank, b in enumerate(boxes):
-            out, _ = b.communicate(timeout=90)
-            assert b.returncode == 0 and "joined 2.0" in out, logs[rank].read_text()[-3000:]
+        last = [start(rank, "last") for rank in (0, 1)]
+        for p, log in last:
+            assert p.stdout.readline().strip() == "joined 2.0", log.read_text()[-3000:]
+        assert last[1][0].wait(30) == 0  # the last run's box 1 has exited; its box 0 stays
+        new = [start(rank, "new") for rank in (0, 1)]
+        wait_for("joining failed, trying again: The server socket has failed to listen", *new[0],
+                 times=2)
+        wait_for("serves a previous run's store (box 1 claimed already)", *new[1], times=2)
+        last[0][0].communicate("\n", timeout=30)  # the last run's box 0 exits
+        for p, log in new:
+            out, _ = p.communicate(timeout=90)
+            assert p.returncode == 0 and "joined 2.0" in out, log.read_text()[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:

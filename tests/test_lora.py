@@ -193,8 +193,9 @@ def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
     """A causal LM given --classes gets a new head, trained whole beside the adapters (PEFT's
     SEQ_CLS: modules_to_save); with --lora-modules-to-save none it would never leave its random
     start and is refused; a module name that matches nothing is refused; names match as PEFT
-    matches them (a module whose name ends with one); a tied embedding is refused (PEFT's
-    adapter would load it apart from the LM head that reads it)."""
+    matches them (a module whose name ends with one); a module LoRA adapts, or one holding
+    such, is refused (PEFT would not adapt it), and so is a tied embedding (PEFT's adapter would
+    load it apart from the LM head that reads it)."""
     path = fx.model_dir(tmp_path / "model", "llama")
 
     def trained(model_dir, **kw):
@@ -213,6 +214,9 @@ def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
     norms = {n for n in trained(path, lora_modules_to_save="norm") if ".lora_" not in n}
     assert norms == {"layer.input_layernorm.weight", "layer.post_attention_layernorm.weight",
                      "norm.weight"}, norms
+    for inside in ("q_proj", "self_attn", "proj"):  # a module adapted, or holding one
+        with pytest.raises(ValueError, match="which --lora-targets adapts"):
+            trained(path, lora_modules_to_save=inside)
     tied = fx.model_dir(tmp_path / "tied", "qwen2")
     with pytest.raises(ValueError, match="tied embeddings"):
         trained(tied, lora_modules_to_save="embed_tokens")

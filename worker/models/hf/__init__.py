@@ -159,6 +159,11 @@ class HfModel(LayeredModel):
                              f"model (a tied tensor is its owner's, e.g. {names[0]})")
         for la in manifest.layers:  # PEFT would load a tied tensor's trained copy apart from
             for t in la.tensors:    # its reader (the LM head keeps the base embedding)
+                adapted = self.family.hf_name(la.name, t.name).rsplit(".", 2)[0]
+                if lora.is_adapter(t.name) and lora.saved(adapted + ".w", self.lora_saved):
+                    raise ValueError(f"--lora-modules-to-save trains {adapted} whole, which "
+                                     "--lora-targets adapts: PEFT would not adapt it (or not "
+                                     "load the adapter); leave it out of one of them")
                 if t.tie and lora.saved(self.family.hf_name(*t.tie), self.lora_saved):
                     raise ValueError(
                         f"--lora-modules-to-save trains {self.family.hf_name(*t.tie)}, which "
