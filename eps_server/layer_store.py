@@ -30,7 +30,7 @@ import secrets
 import torch
 
 from protocol.messages import RegionInfo
-from protocol.shards import Sharding, shard_plan
+from protocol.shards import Sharding, master_spans, shard_plan
 from protocol.shm import Region
 from protocol.tensors import DTYPES, LayerPlan, Manifest, plan_layout
 
@@ -49,8 +49,7 @@ class LayerStore:
         # served copy) or, --eps-mode shard, this box's span of it (protocol/shards.py), back
         # to back; the served copy stays whole (then a separate one also in fp32).
         self.sharding = sharding
-        self.spans = [(0, p.trainable) if sharding is None else sharding.span(p.trainable)
-                      for p in self.layout.layers]
+        self.spans = master_spans(self.layout.layers, sharding)
         self.shard_plans = []
         offset = 0
         for p, (lo, hi) in zip(self.layout.layers, self.spans):

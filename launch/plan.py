@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from protocol.shards import master_spans
 from protocol.tensors import itemsize, plan_layout
 from worker.models import build_model
 
@@ -34,11 +35,11 @@ def shm_regions(args: LaunchArgs) -> list[Need]:
     # the master: each layer's trained prefix (--freeze, LoRA), or this box's span of it
     # (--eps-mode shard); the served copy is then a region of its own, whole
     sharding = server.boxes.sharding
-    master = sum(hi - lo for lo, hi in ((0, p.trainable) if sharding is None else
-                                        sharding.span(p.trainable) for p in layout.layers))
-    part = (f", this box's 1/{sharding.count}" if sharding is not None else "") + (
-        ", trained tensors" if layout.frozen else "")
-    rows = [Need(f"fp32 master weights{f' ({part[2:]})' if part else ''}", 4 * max(1, master))]
+    master = sum(hi - lo for lo, hi in master_spans(layout.layers, sharding))
+    parts = ([f"this box's 1/{sharding.count}"] if sharding else []) + (
+        ["trained tensors"] if layout.frozen else [])
+    label = "fp32 master weights" + (f" ({', '.join(parts)})" if parts else "")
+    rows = [Need(label, 4 * max(1, master))]
     if compute != "float32" or master != layout.total_numel:
         rows.append(Need(f"{compute} compute copy", layout.nbytes(compute)))
     rows.append(Need("layer versions", 8 * len(layout.layers)))

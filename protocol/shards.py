@@ -44,6 +44,13 @@ class Sharding:
         return self.count * self.chunk(numel)
 
 
+def master_spans(layers, sharding: Sharding | None) -> list[tuple[int, int]]:
+    """[lo, hi) of each layer that the EPS's master holds: its trainable prefix (frozen
+    tensors live in the served copy only) or, sharded, this box's span of it."""
+    return [(0, p.trainable) if sharding is None else sharding.span(p.trainable)
+            for p in layers]
+
+
 def shard_plan(plan: LayerPlan, lo: int, hi: int, offset: int) -> LayerPlan:
     """The plan an optimizer of elements [lo, hi) of ``plan``'s layer sees: its groups cut to
     the range (relative to ``lo``), no whole tensors (an element-wise optimizer needs none),

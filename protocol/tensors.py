@@ -320,17 +320,14 @@ def views(flat: torch.Tensor, plan: LayerPlan) -> list[torch.Tensor]:
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors]
 
 
-def named_views(flat: torch.Tensor, plan: LayerPlan) -> dict[str, torch.Tensor]:
-    """{tensor name: view} of one layer's flat buffer (its own tensors)."""
-    return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in plan.tensors}
-
-
-def trained_views(flat: torch.Tensor, plan: LayerPlan, names) -> dict[str, torch.Tensor]:
-    """{name: view} of the trained tensors ``names`` in a buffer of the layer's trainable
-    prefix (a gradient: the frozen tensors after it have none)."""
-    slots = {s.name: s for s in plan.tensors}
-    return {n: flat[slots[n].offset:slots[n].offset + slots[n].numel].view(slots[n].shape)
-            for n in names}
+def named_views(flat: torch.Tensor, plan: LayerPlan, names=None) -> dict[str, torch.Tensor]:
+    """{tensor name: view} of one layer's flat buffer (its own tensors; ``names``: those, in
+    that order, e.g. the trained ones in a gradient, which holds the trainable prefix only)."""
+    slots = plan.tensors
+    if names is not None:
+        by_name = {s.name: s for s in slots}
+        slots = [by_name[n] for n in names]
+    return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in slots}
 
 
 def manifest_to_json(m: Manifest) -> dict:

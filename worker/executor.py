@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.tensors import Layout, named_views, trained_views
+from protocol.tensors import Layout, named_views
 from protocol.trace import NULL, Tracer
 
 from .data import Sharder
@@ -254,7 +254,7 @@ class Executor:
             with self._waiting("push"):
                 slot, acc = self.source.grad_buffer(plan) if push else (-1, None)
             own, ties, _ = self.trained[layer]
-            targets = list(trained_views(acc, plan, own).values()) if push else []
+            targets = list(named_views(acc, plan, own).values()) if push else []
             tie_targets = self._tie_grads(ties)
             weights = ([leaves[n] for n in own] if push else []) + [leaves[t.name] for t in ties]
             # the visit after this one in this step (its first stash entry is fetched early)
@@ -377,7 +377,7 @@ class Executor:
         """The owner's gradient also holds what its readers contributed (visited before it)."""
         if layer in self.shared:
             names = self.shared[layer] & self.trained[layer][2]
-            for name, view in trained_views(acc, self.plans[layer], names).items():
+            for name, view in named_views(acc, self.plans[layer], names).items():
                 view.add_(self.tie_grads[layer, name])
 
     def _rng(self, step: int, layer: int, i: int):
