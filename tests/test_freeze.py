@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 from safetensors.torch import load_file
 
 from protocol.tensors import plan_layout
 from worker.config import ModelConfig
+from worker.export import main as export_main
 from worker.models import build_model
 
 from .baseline import assert_close, train_resident
@@ -30,16 +30,14 @@ def test_frozen_tensors_train_as_the_resident_model_with_them_frozen(tmp_path):
     they began, the others as torch trains them; the EPS holds no master or optimizer state
     for the frozen ones (its bytes per parameter fall)."""
     steps, u, b = 4, 2, 4
-    out = {}
-    for name, freeze in (("frozen", FREEZE), ("whole", "")):
-        p = subprocess.run([*LAUNCH, "--workers", "2", *MODEL, "--freeze", freeze,
-                            "--micro-batches", str(u), "--micro-batch-size", str(b),
-                            "--threads", "1", "--steps", str(steps), "--lr", "3e-3",
-                            "--save", str(tmp_path / f"{name}.st"), "--summary-json",
-                            str(tmp_path / f"{name}.json")],
-                           env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-        assert p.returncode == 0, p.stderr
-        out[name] = json.loads((tmp_path / f"{name}.json").read_text())["eps"]
+    p = subprocess.run([*LAUNCH, "--workers", "2", *MODEL, "--freeze", FREEZE,
+                        "--micro-batches", str(u), "--micro-batch-size", str(b),
+                        "--threads", "1", "--steps", str(steps), "--lr", "3e-3",
+                        "--save", str(tmp_path / "frozen.st"), "--summary-json",
+                        str(tmp_path / "frozen.json")],
+                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    eps = json.loads((tmp_path / "frozen.json").read_text())["eps"]
     got = load_file(str(tmp_path / "frozen.st"))
     mcfg = ModelConfig(model="gpt", layers=2, hidden=32, heads=2, seq_len=16, vocab=64,
                        tie_embeddings=True, freeze=FREEZE)
@@ -51,13 +49,12 @@ def test_frozen_tensors_train_as_the_resident_model_with_them_frozen(tmp_path):
         assert (got[name] == start[name]).all(), name
     assert not (got["blocks.0.mlp.fc.weight"] == start["blocks.0.mlp.fc.weight"]).all()
     # fp32: a served copy of every element (4 B), master and AdamW's m, v (12 B) of the
-    # trained ones only, and each layer's step count
+    # trained ones only, and each layer's step count (nothing frozen: 12 B for every element,
+    # the master served)
     layout = plan_layout(build_model(mcfg).manifest())
     trained = sum(p.trainable for p in layout.layers)
     assert trained < layout.total_numel / 2
-    steps_bytes = 4 * len(layout.layers)
-    assert out["frozen"]["model_bytes"] == 4 * layout.total_numel + 12 * trained + steps_bytes
-    assert out["whole"]["model_bytes"] == 12 * layout.total_numel + steps_bytes
+    assert eps["model_bytes"] == 4 * layout.total_numel + 12 * trained + 4 * len(layout.layers)
 
 
 def test_a_freeze_pattern_that_matches_nothing_is_refused_at_once(tmp_path):
@@ -70,23 +67,24 @@ def test_a_freeze_pattern_that_matches_nothing_is_refused_at_once(tmp_path):
 
 def test_a_checkpoint_with_frozen_tensors_resumes_exactly(tmp_path):
     """bf16 compute: the frozen tensors exist only as their bf16 served copy, which the
-    checkpoint keeps (and l2l-export writes); 2 steps, a checkpoint, 2 more from it end
-    bitwise where 4 steps without a stop do."""
+    checkpoint keeps (and l2l-export writes); 2 more steps from step 2's checkpoint end bitwise
+    where 4 steps without a stop do."""
     job = [*MODEL, "--freeze", FREEZE, "--precision", "bf16", "--threads", "1", "--lr", "3e-3"]
 
-    def run(*extra: str) -> None:
-        p = subprocess.run([*LAUNCH, "--workers", "1", *job, *extra], env=ENV, cwd=tmp_path,
+    def run(*extra: str) -> dict:
+        p = subprocess.run([*LAUNCH, "--workers", "1", *job, *extra, "--summary-json",
+                            str(tmp_path / "s.json")], env=ENV, cwd=tmp_path,
                            capture_output=True, text=True, timeout=240)
         assert p.returncode == 0, p.stderr
+        return json.loads((tmp_path / "s.json").read_text())
 
-    run("--steps", "4", "--save", str(tmp_path / "straight.st"))
-    run("--steps", "2", "--server-save", str(tmp_path / "ck"))
-    run("--steps", "4", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "resumed.st"))
+    run("--steps", "4", "--save", str(tmp_path / "straight.st"), "--server-save",
+        str(tmp_path / "ck"), "--checkpoint-every", "2", "--keep-checkpoints", "2")
+    again = run("--steps", "4", "--load", str(tmp_path / "ck" / "step-00000002"), "--save",
+                str(tmp_path / "resumed.st"))
+    assert len(again["losses"]) == 2  # steps 3 and 4
     straight, resumed = (load_file(str(tmp_path / f)) for f in ("straight.st", "resumed.st"))
     assert_close(resumed, straight, atol=0, rtol=0)
-    p = subprocess.run([sys.executable, "-m", "worker.export", str(tmp_path / "ck"),
-                        str(tmp_path / "export.st")], env=ENV, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert export_main([str(tmp_path / "ck"), str(tmp_path / "export.st")]) == 0  # in-process
     exported = load_file(str(tmp_path / "export.st"))
     assert exported["pre.tok.weight"].equal(straight["pre.tok.weight"])  # never trained

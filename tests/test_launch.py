@@ -17,8 +17,10 @@ import pytest
 
 from protocol.lifecycle import REFUSED
 from protocol.shm import list_regions
+from protocol.tensors import plan_layout
 from worker.config import ModelConfig
 from worker.data import MarkovTask
+from worker.models import build_model
 
 from .helpers import ENV, ROOT, SMALL, pids_alive
 
@@ -85,6 +87,11 @@ def test_gpt_learns_the_markov_language(tmp_path):
     assert s["losses"][0] > math.log(64) - 0.2
     assert sum(s["losses"][-10:]) / 10 < 1.5
     assert s["model"]["params"] > 0 and "classes" not in s["model"]  # a language model
+    # fp32, nothing frozen: master (served) and AdamW's m, v for every element, 12 B, and each
+    # layer's step count (test_freeze.py: a frozen tensor's 4 B)
+    layout = plan_layout(build_model(ModelConfig(model="gpt", layers=2, hidden=32, heads=2,
+                                                 seq_len=16, vocab=64)).manifest())
+    assert s["eps"]["model_bytes"] == 12 * layout.total_numel + 4 * len(layout.layers)
     assert entropy < 1.0
     # each step's waits (for weights, for pushes' acks) of its slowest worker
     assert len(s["fetch_wait"]) == len(s["push_wait"]) == 80

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import load_file
 
 from protocol.tensors import plan_layout
 from worker.config import ModelConfig
+from worker.export import main as export_main
 from worker.models import build_model
 
 from . import hf_fixtures as fx
@@ -100,10 +100,7 @@ def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path):
                         str(tmp_path / "adapter"), "--server-save", str(tmp_path / "ck")],
                        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([sys.executable, "-m", "worker.export", str(tmp_path / "ck"),
-                        str(tmp_path / "merged"), "--merge"], env=ENV, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert export_main([str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge"]) == 0
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
