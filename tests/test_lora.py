@@ -27,10 +27,10 @@ SEQ = 16
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"]
 
 
-def _initial_adapter(path, out, classes: int = 0) -> None:
+def _initial_adapter(path, out, classes: int = 0, rslora: bool = False) -> None:
     """The adapter l2l starts from (PEFT's initialisation, seeded), written as l2l saves it."""
     model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8,
-                                    classes=classes))
+                                    classes=classes, lora_rslora=rslora))
     tensors = {}
     for plan in plan_layout(model.manifest()).layers:
         values = model.loader().load(plan)
@@ -123,23 +123,25 @@ def _peft_names(state: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family, classes", [("gpt2", 0), ("bert-base", 3)])
-def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family, classes):
+@pytest.mark.parametrize("family, classes, rslora", [("gpt2", 0, False), ("bert-base", 3, True)])
+def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family, classes,
+                                                               rslora):
     """GPT-2's Conv1D c_attn (PEFT's default target for it: fan_in_fan_out), and a BERT base
     model with a new 3-way head, which trains whole beside the adapters on query and value (PEFT's
-    SEQ_CLS defaults): 3 AdamW steps with dropout 0.1 through the L2L executor equal PEFT's
-    training of the library model from the same start (FP32, 1e-5 + 1e-4 rel); the adapter
-    config says what PEFT needs to read them."""
+    SEQ_CLS defaults), its adapters rank-stabilised (alpha / sqrt(r)): 3 AdamW steps with
+    dropout 0.1 through the L2L executor equal PEFT's training of the library model from the
+    same start (FP32, 1e-5 + 1e-4 rel); the adapter config says what PEFT needs to read them."""
     from peft import PeftModel
 
     path = fx.model_dir(tmp_path / "model", family)
     data = data_for(family, tmp_path, classes=classes)
     cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes, lora_rank=4,
-                      lora_alpha=8)
+                      lora_alpha=8, lora_rslora=rslora)
     got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
     init = tmp_path / "init"
-    _initial_adapter(path, init, classes=classes)
+    _initial_adapter(path, init, classes=classes, rslora=rslora)
     config = json.loads((init / "adapter_config.json").read_text())
+    assert config["use_rslora"] is rslora
     start = load_file(str(init / "adapter_model.safetensors"))
     if classes:
         assert config["target_modules"] == ["query", "value"]
@@ -157,10 +159,11 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
                    if "lora_A" not in k)  # every B and the head moved
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family):
-    """--merge folds the adapter in (W + alpha/r B A; a Conv1D weight, in x out, takes the
-    transpose): the merged model's logits are PEFT's with the adapter l2l saves."""
+@pytest.mark.parametrize("family, rslora", [("llama", True), ("gpt2", False)])
+def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family, rslora):
+    """--merge folds the adapter in (W + alpha/r B A, rank-stabilised: alpha/sqrt(r); a Conv1D
+    weight, in x out, takes the transpose): the merged model's logits are PEFT's with the
+    adapter l2l saves."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -168,7 +171,8 @@ def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, f
     tensors = {}
     for merge, out in ((False, "adapter"), (True, "merged")):
         model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4,
-                                        lora_alpha=8, lora_targets="all-linear", merge=merge))
+                                        lora_alpha=8, lora_targets="all-linear", merge=merge,
+                                        lora_rslora=rslora))
         for plan in plan_layout(model.manifest()).layers:
             values = model.loader().load(plan)
             for n, v in values.items():  # B is zero at the start: give it values

@@ -1,7 +1,8 @@
 """LoRA (Hu et al., 2021) as PEFT makes it, on the blocks of a Hugging Face model
 (``--lora-rank``): each targeted ``nn.Linear`` computes ``x W^T + b + s * B(A(dropout(x)))``
 with ``s = alpha / r``, ``A`` (r x in) initialised kaiming-uniform (a = sqrt(5)) and ``B``
-(out x r) zero, as PEFT's ``init_lora_weights=True`` does; GPT-2's ``Conv1D`` (``x W + b``,
+(out x r) zero, as PEFT's ``init_lora_weights=True`` does (``s = alpha / sqrt(r)`` with
+rank-stabilised LoRA, PEFT's ``use_rslora``); GPT-2's ``Conv1D`` (``x W + b``,
 its weight in x out: PEFT's ``fan_in_fan_out``) gets the same update. The adapter's tensors are
 the targeted module's ``lora_A.weight`` and ``lora_B.weight``: in a layer's manifest beside the
 base weights, which are frozen (protocol/tensors.py "frozen"): the EPS holds the base model's
@@ -70,6 +71,11 @@ def _lora_conv1d(conv1d):
     return LoraConv1D
 
 
+def scaling(alpha: float, rank: int, rslora: bool = False) -> float:
+    """The update's scale: alpha / r, or alpha / sqrt(r) for rank-stabilised LoRA (PEFT's)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
 def targets(spec: str, model_type: str = "") -> tuple[str, ...] | None:
     """``--lora-targets``: module names (the last part of a qualified name), None for every
     linear layer of the blocks ("all-linear"), or "auto": PEFT's default for ``model_type``."""
@@ -81,10 +87,11 @@ def targets(spec: str, model_type: str = "") -> tuple[str, ...] | None:
     return tuple(t.strip() for t in spec.split(",") if t.strip())
 
 
-def apply(module: nn.Module, rank: int, alpha: float, spec: str, dropout: float,
+def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
           model_type: str = "") -> dict[str, bool]:
-    """Add LoRA to the targeted linear layers of ``module`` (one stage): their names, each
-    with whether it is a ``Conv1D`` (weight in x out)."""
+    """Add LoRA (rank ``rank``, its update scaled by ``scale``) to the targeted linear layers
+    of ``module`` (one stage): their names, each with whether it is a ``Conv1D`` (weight in x
+    out)."""
     want, conv1d = targets(spec, model_type), _conv1d()
     found = [(n, m) for n, m in module.named_modules() if type(m) in (nn.Linear, conv1d) and
              (want is None or n.rpartition(".")[2] in want)]
@@ -96,7 +103,7 @@ def apply(module: nn.Module, rank: int, alpha: float, spec: str, dropout: float,
         lin.lora_A = nn.Linear(fan_in, rank, bias=False, **kw)
         lin.lora_B = nn.Linear(rank, fan_out, bias=False, **kw)
         lin.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        lin.scaling = alpha / rank
+        lin.scaling = scale
         lin.__class__ = _lora_conv1d(conv1d) if transposed else LoraLinear
     return kinds
 

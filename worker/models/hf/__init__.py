@@ -131,8 +131,9 @@ class HfModel(LayeredModel):
         module = families.make_stage(self.config, self.family, kind)
         cfg = self.cfg
         if cfg.lora_rank and kind not in ("embed", "head"):  # LoRA on the blocks' linears
-            found = lora.apply(module, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
-                               cfg.lora_dropout, self.config.model_type)
+            found = lora.apply(module, cfg.lora_rank, lora.scaling(
+                cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_targets,
+                cfg.lora_dropout, self.config.model_type)
             if not found:
                 raise ValueError(f"--lora-targets {cfg.lora_targets} matches no linear layer "
                                  f"of a {self.config.model_type} block")
@@ -210,8 +211,9 @@ class HfModel(LayeredModel):
             return export(self, path, tensors)
         self.manifest()  # (the targeted modules' names and kinds)
         if cfg.merge:
-            return export(self, path, lora.merged(tensors, cfg.lora_alpha / cfg.lora_rank,
-                                                  self.lora_fan_in_fan_out))
+            return export(self, path, lora.merged(
+                tensors, lora.scaling(cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora),
+                self.lora_fan_in_fan_out))
         trains = self.lora_trains()
         named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}
@@ -221,7 +223,7 @@ class HfModel(LayeredModel):
             "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
             "target_modules": sorted(self.lora_modules), "bias": "none",
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
-            "inference_mode": True, "use_rslora": False, "use_dora": False,
+            "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": False,
             "modules_to_save": list(self.lora_saved) or None})
 
     def tokenizer(self):
