@@ -85,13 +85,14 @@ def bpe_tokenizer(path: Path, specials: list[str], eos: str):
     return fast
 
 
-def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
+def model_dir(path: Path, family: str, seed: int = 0, biases: bool = False, **over) -> Path:
     """A save_pretrained directory of a tiny model of ``family``: bert (sequence classifier, 3
     labels), bert-base (BertModel alone), bert-mlm (a masked LM, without a pooler), roberta
     and xlm-roberta (sequence classifiers), roberta-mlm (a masked LM: the classifier is new,
     the LM head unused), gpt2 (tied), or one of DECODERS (llama: grouped-query attention,
     qwen2: tied embeddings and attention biases, mistral: sliding window, ...), or one of
-    them with "-cls": its sequence classifier."""
+    them with "-cls": its sequence classifier. ``biases``: biases drawn at random, as a
+    trained model's are (the library starts them at zero)."""
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
@@ -129,6 +130,11 @@ def model_dir(path: Path, family: str, seed: int = 0, **over) -> Path:
         cfg = getattr(tf, config_class)(**{**common, **own, **over})
         model = getattr(tf, model_class)(cfg)
         tokenizer(path, "lm")
+    if biases:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
     return path
 

@@ -27,10 +27,10 @@ SEQ = 16
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"]
 
 
-def _initial_adapter(path, out, classes: int = 0, rslora: bool = False) -> None:
+def _initial_adapter(path, out, classes: int = 0, **lora) -> None:
     """The adapter l2l starts from (PEFT's initialisation, seeded), written as l2l saves it."""
     model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8,
-                                    classes=classes, lora_rslora=rslora))
+                                    classes=classes, **lora))
     tensors = {}
     for plan in plan_layout(model.manifest()).layers:
         values = model.loader().load(plan)
@@ -119,29 +119,34 @@ def _peft_names(state: dict) -> dict:
         if "original_module" not in k:
             for d in drop:
                 k = k.replace(d, "")
-            out[k] = v
+            out[k.replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector")] = v
     return out
 
 
-@pytest.mark.parametrize("family, classes, rslora", [("gpt2", 0, False), ("bert-base", 3, True)])
-def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family, classes,
-                                                               rslora):
-    """GPT-2's Conv1D c_attn (PEFT's default target for it: fan_in_fan_out), and a BERT base
-    model with a new 3-way head, which trains whole beside the adapters on query and value (PEFT's
-    SEQ_CLS defaults), its adapters rank-stabilised (alpha / sqrt(r)): 3 AdamW steps with
-    dropout 0.1 through the L2L executor equal PEFT's training of the library model from the
-    same start (FP32, 1e-5 + 1e-4 rel); the adapter config says what PEFT needs to read them."""
+@pytest.mark.parametrize("family, classes, lora", [
+    ("gpt2", 0, {}), ("gpt2", 0, {"lora_dora": True, "lora_dropout": 0.1}),
+    ("bert-base", 3, {"lora_rslora": True, "lora_dora": True})],
+    ids=["gpt2", "gpt2-dora-dropout", "bert-base-rslora-dora"])
+def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family, classes, lora):
+    """GPT-2's Conv1D c_attn (PEFT's default target for it: fan_in_fan_out), plain and with
+    DoRA and dropout on the adapters' input, and a BERT base model with a new 3-way head, which
+    trains whole beside the adapters on query and value (PEFT's SEQ_CLS defaults), its adapters
+    rank-stabilised (alpha / sqrt(r)) DoRA: 3 AdamW steps with dropout 0.1 through the L2L
+    executor equal PEFT's training of the library model from the same start (FP32, 1e-5 +
+    1e-4 rel); the adapter config says what PEFT needs to read them."""
     from peft import PeftModel
 
-    path = fx.model_dir(tmp_path / "model", family)
+    path = fx.model_dir(tmp_path / "model", family, biases=True)  # (DoRA's base output less b)
     data = data_for(family, tmp_path, classes=classes)
     cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes, lora_rank=4,
-                      lora_alpha=8, lora_rslora=rslora)
+                      lora_alpha=8, **lora)
     got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
     init = tmp_path / "init"
-    _initial_adapter(path, init, classes=classes, rslora=rslora)
+    _initial_adapter(path, init, classes=classes, **lora)
     config = json.loads((init / "adapter_config.json").read_text())
-    assert config["use_rslora"] is rslora
+    assert config["use_rslora"] is lora.get("lora_rslora", False)
+    assert config["use_dora"] is lora.get("lora_dora", False)
+    assert config["lora_dropout"] == lora.get("lora_dropout", 0.0)
     start = load_file(str(init / "adapter_model.safetensors"))
     if classes:
         assert config["target_modules"] == ["query", "value"]
@@ -149,6 +154,19 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
         assert "base_model.model.classifier.weight" in start
     else:
         assert config["target_modules"] == ["c_attn"] and config["fan_in_fan_out"]
+    if lora.get("lora_dora"):  # DoRA's magnitudes start where PEFT's own start
+        import transformers
+        from peft import LoraConfig, get_peft_model
+
+        auto = (transformers.AutoModelForSequenceClassification if classes else
+                transformers.AutoModelForCausalLM)
+        own = _peft_names(get_peft_model(auto.from_pretrained(
+            str(path), **({"num_labels": classes} if classes else {})),
+            LoraConfig.from_pretrained(str(init))).state_dict())
+        magnitudes = [k for k in own if k.endswith(".lora_magnitude_vector")]
+        assert magnitudes
+        assert_close({k: start[f"base_model.model.{k}"] for k in magnitudes},
+                      {k: own[k] for k in magnitudes}, atol=1e-6, rtol=1e-6)
     want = _peft_names(train_hf(
         str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
         classes=classes, wrap=lambda hf: PeftModel.from_pretrained(hf, str(init),
@@ -156,14 +174,18 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
     assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
     trained = [k.removeprefix("base_model.model.") for k in start]
     assert not any(torch.equal(got[k], start[f"base_model.model.{k}"]) for k in trained
-                   if "lora_A" not in k)  # every B and the head moved
+                   if "lora_A" not in k)  # every B (magnitude) and the head moved
+    assert any(".lora_magnitude_vector" in k for k in got) is lora.get("lora_dora", False)
 
 
-@pytest.mark.parametrize("family, rslora", [("llama", True), ("gpt2", False)])
-def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family, rslora):
-    """--merge folds the adapter in (W + alpha/r B A, rank-stabilised: alpha/sqrt(r); a Conv1D
-    weight, in x out, takes the transpose): the merged model's logits are PEFT's with the
-    adapter l2l saves."""
+@pytest.mark.parametrize("family, lora", [
+    ("llama", {"lora_rslora": True}), ("gpt2", {}), ("llama", {"lora_dora": True}),
+    ("gpt2", {"lora_dora": True, "lora_rslora": True})],
+    ids=["llama-rslora", "gpt2", "llama-dora", "gpt2-dora-rslora"])
+def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family, lora):
+    """--merge folds the adapter in (W + alpha/r B A, rank-stabilised: alpha/sqrt(r); DoRA:
+    scaled by m / ||W + alpha/r B A|| by row; a Conv1D weight, in x out, takes the transpose):
+    the merged model's logits are PEFT's with the adapter l2l saves."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -172,11 +194,12 @@ def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, f
     for merge, out in ((False, "adapter"), (True, "merged")):
         model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4,
                                         lora_alpha=8, lora_targets="all-linear", merge=merge,
-                                        lora_rslora=rslora))
+                                        **lora))
         for plan in plan_layout(model.manifest()).layers:
             values = model.loader().load(plan)
-            for n, v in values.items():  # B is zero at the start: give it values
+            for n, v in values.items():  # B is zero at the start, m W's norm: move them
                 tensors.setdefault((plan.name, n), torch.randn_like(v) / 8 if "lora_B" in n
+                                   else v * (1 + torch.rand_like(v)) if "magnitude" in n
                                    else v)
         model.export(str(tmp_path / out), tensors, {})
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -224,3 +247,9 @@ def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
     cls = fx.model_dir(tmp_path / "cls", "llama-cls")  # its own head: frozen when told
     names = trained(cls, lora_modules_to_save="none")
     assert names and all(".lora_" in n for n in names)
+
+
+@pytest.mark.parametrize("option", ["lora_rslora", "lora_dora", "merge"])
+def test_the_adapters_options_need_an_adapter(option):
+    with pytest.raises(ValueError, match="give --lora-rank"):
+        ModelConfig(model="hf:x", **{option: True})

@@ -65,6 +65,10 @@ class ModelConfig:
     lora_rslora: bool = False
     """Rank-stabilised LoRA (Kalajdzievski, 2023; PEFT's use_rslora): the update is scaled by
     alpha / sqrt(r), not alpha / r, so that a higher rank still learns at the same rate."""
+    lora_dora: bool = False
+    """DoRA (Liu et al., 2024; PEFT's use_dora): each adapted layer also trains a magnitude
+    per output, which scales its weight with the adapter's update normalised (slower: the
+    weight's norm is computed in every forward)."""
     lora_targets: str = "auto"
     """The linear layers of the blocks that get adapters: their names (the last part of the
     module's name, e.g. q_proj,k_proj,v_proj,o_proj), all-linear (GPT-2's Conv1D layers
@@ -101,8 +105,9 @@ class ModelConfig:
             raise ValueError("--lora-rank needs a Hugging Face model (--model hf:DIR)")
         if self.merge and not self.lora_rank:
             raise ValueError("--merge merges a LoRA adapter: give --lora-rank")
-        if self.lora_rslora and not self.lora_rank:
-            raise ValueError("--lora-rslora scales a LoRA adapter: give --lora-rank")
+        if (self.lora_rslora or self.lora_dora) and not self.lora_rank:
+            raise ValueError("--lora-rslora and --lora-dora shape a LoRA adapter: give "
+                             "--lora-rank")
         # Filled-in values are written back as given (0), so a saved config replayed with
         # another --hidden gets its own ffn (protocol/cli.py to_dict reads as_given).
         self.as_given: dict = {}

@@ -2,7 +2,10 @@
 (``--lora-rank``): each targeted ``nn.Linear`` computes ``x W^T + b + s * B(A(dropout(x)))``
 with ``s = alpha / r``, ``A`` (r x in) initialised kaiming-uniform (a = sqrt(5)) and ``B``
 (out x r) zero, as PEFT's ``init_lora_weights=True`` does (``s = alpha / sqrt(r)`` with
-rank-stabilised LoRA, PEFT's ``use_rslora``); GPT-2's ``Conv1D`` (``x W + b``,
+rank-stabilised LoRA, PEFT's ``use_rslora``). DoRA (Liu et al., 2024; PEFT's ``use_dora``) adds
+a trained magnitude ``m`` per output (``lora_magnitude_vector``, initialised to the norms of
+W's rows) and computes ``m / ||W + s B A||_row * (W x + s B A x) + b``, the norm taken as a
+constant as PEFT does; GPT-2's ``Conv1D`` (``x W + b``,
 its weight in x out: PEFT's ``fan_in_fan_out``) gets the same update. The adapter's tensors are
 the targeted module's ``lora_A.weight`` and ``lora_B.weight``: in a layer's manifest beside the
 base weights, which are frozen (protocol/tensors.py "frozen"): the EPS holds the base model's
@@ -29,7 +32,8 @@ from torch import nn
 from protocol.safetensors_io import write_safetensors
 from protocol.tensors import LayerPlan
 
-ADAPTER = (".lora_A.weight", ".lora_B.weight")
+MAGNITUDE = ".lora_magnitude_vector"  # DoRA's (PEFT's name, as it saves it)
+ADAPTER = (".lora_A.weight", ".lora_B.weight", MAGNITUDE)
 # "auto" targets: PEFT's defaults (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for
 # these model types, q_proj,v_proj for the others (PEFT's own for Llama, Mistral, Qwen, Gemma;
 # its choice for OLMo 2, SmolLM3, Granite, where PEFT has none), Phi-3's fused projection.
@@ -43,15 +47,38 @@ def is_adapter(tensor: str) -> bool:
     return tensor.endswith(ADAPTER)
 
 
-def _update(self, x: torch.Tensor) -> torch.Tensor:
-    return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+def adapted(tensor: str) -> str:
+    """The module an adapter's tensor belongs to (``a.q_proj.lora_A.weight``: ``a.q_proj``)."""
+    return next(tensor[:-len(end)] for end in ADAPTER if tensor.endswith(end))
+
+
+def _update(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """What the adapter adds to the base layer's ``result`` (its output for ``x``)."""
+    if not hasattr(self, "lora_magnitude_vector"):
+        return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+    # DoRA, as PEFT computes it (its DoraLinearLayer): the base output reused unless dropout
+    # changes the adapters' input; B A's norm taken as a constant (the paper's section 4.3)
+    w = self.weight.T if self.fan_in_fan_out else self.weight  # out x in
+    if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+        base = result if self.bias is None else result - self.bias
+    else:
+        x = self.lora_dropout(x)
+        base = F.linear(x, w)
+    with torch.no_grad():
+        delta = (self.lora_B.weight @ self.lora_A.weight).to(x.dtype)
+        norm = torch.linalg.norm(w.to(x.dtype) + self.scaling * delta, dim=1)
+    scale = (self.lora_magnitude_vector / norm).view(1, -1)
+    return (scale - 1) * base + scale * self.lora_B(self.lora_A(x)) * self.scaling
 
 
 class LoraLinear(nn.Linear):
     """An ``nn.Linear`` with a LoRA update (its class is swapped in by ``apply``)."""
 
+    fan_in_fan_out = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + _update(self, x)
+        result = F.linear(x, self.weight, self.bias)
+        return result + _update(self, x, result)
 
 
 def _conv1d():
@@ -65,8 +92,11 @@ def _lora_conv1d(conv1d):
     class LoraConv1D(conv1d):
         """GPT-2's ``Conv1D`` (weight in x out) with a LoRA update."""
 
+        fan_in_fan_out = True
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x) + _update(self, x)
+            result = super().forward(x)
+            return result + _update(self, x, result)
 
     return LoraConv1D
 
@@ -88,10 +118,10 @@ def targets(spec: str, model_type: str = "") -> tuple[str, ...] | None:
 
 
 def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
-          model_type: str = "") -> dict[str, bool]:
-    """Add LoRA (rank ``rank``, its update scaled by ``scale``) to the targeted linear layers
-    of ``module`` (one stage): their names, each with whether it is a ``Conv1D`` (weight in x
-    out)."""
+          model_type: str = "", dora: bool = False) -> dict[str, bool]:
+    """Add LoRA (rank ``rank``, its update scaled by ``scale``; ``dora``: DoRA's magnitudes,
+    given their values by the loader) to the targeted linear layers of ``module`` (one stage):
+    their names, each with whether it is a ``Conv1D`` (weight in x out)."""
     want, conv1d = targets(spec, model_type), _conv1d()
     found = [(n, m) for n, m in module.named_modules() if type(m) in (nn.Linear, conv1d) and
              (want is None or n.rpartition(".")[2] in want)]
@@ -104,6 +134,8 @@ def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
         lin.lora_B = nn.Linear(rank, fan_out, bias=False, **kw)
         lin.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         lin.scaling = scale
+        if dora:
+            lin.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out, **kw))
         lin.__class__ = _lora_conv1d(conv1d) if transposed else LoraLinear
     return kinds
 
@@ -129,10 +161,11 @@ def saved(hf_name: str, modules: tuple[str, ...]) -> bool:
 
 class LoraInit:
     """A weight loader: the base model's tensors from ``base`` (the checkpoint), the adapter's
-    initialised as PEFT does, seeded by (seed, layer, tensor)."""
+    initialised as PEFT does, seeded by (seed, layer, tensor); DoRA's magnitudes are the norms
+    of the base weight's rows (``fan_in_fan_out``: of its columns, a ``Conv1D``'s outputs)."""
 
-    def __init__(self, base, seed: int):
-        self.base, self.seed = base, seed
+    def __init__(self, base, seed: int, fan_in_fan_out: bool = False):
+        self.base, self.seed, self.fan_in_fan_out = base, seed, fan_in_fan_out
 
     def load(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         from dataclasses import replace
@@ -150,6 +183,9 @@ class LoraInit:
                 out[s.name] = t.uniform_(-bound, bound, generator=gen)
             elif s.name.endswith(".lora_B.weight"):
                 out[s.name] = torch.zeros(s.shape)
+            elif s.name.endswith(MAGNITUDE):  # ||W + s B A|| with B = 0
+                w = out[adapted(s.name) + ".weight"].float()
+                out[s.name] = torch.linalg.norm(w.T if self.fan_in_fan_out else w, dim=1)
         return out
 
 
@@ -170,13 +206,18 @@ def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict) -> No
 
 def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
            fan_in_fan_out: bool = False) -> dict:
-    """The base weights with each adapter folded in (W + s * B @ A; a ``Conv1D``'s weight,
-    ``fan_in_fan_out``, gets its transpose), the adapter left out."""
+    """The base weights with each adapter folded in (W + s * B @ A; with DoRA's magnitude m,
+    m / ||W + s B A||_row * (W + s B A); a ``Conv1D``'s weight, ``fan_in_fan_out``, is
+    transposed to that and back), the adapter left out."""
     out = {k: v for k, v in tensors.items() if not is_adapter(k[1])}
     for (layer, name), a in tensors.items():
         if name.endswith(".lora_A.weight"):
-            prefix = name[:-len(".lora_A.weight")]
-            delta = tensors[layer, prefix + ".lora_B.weight"] @ a
+            prefix = adapted(name)
             w = out[layer, prefix + ".weight"]
-            out[layer, prefix + ".weight"] = w + scaling * (delta.T if fan_in_fan_out else delta)
+            w = (w.T if fan_in_fan_out else w) + scaling * (
+                tensors[layer, prefix + ".lora_B.weight"] @ a)
+            magnitude = tensors.get((layer, prefix + MAGNITUDE))
+            if magnitude is not None:
+                w = (magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1) * w
+            out[layer, prefix + ".weight"] = w.T if fan_in_fan_out else w
     return out

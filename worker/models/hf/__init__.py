@@ -133,7 +133,7 @@ class HfModel(LayeredModel):
         if cfg.lora_rank and kind not in ("embed", "head"):  # LoRA on the blocks' linears
             found = lora.apply(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_targets,
-                cfg.lora_dropout, self.config.model_type)
+                cfg.lora_dropout, self.config.model_type, cfg.lora_dora)
             if not found:
                 raise ValueError(f"--lora-targets {cfg.lora_targets} matches no linear layer "
                                  f"of a {self.config.model_type} block")
@@ -160,16 +160,17 @@ class HfModel(LayeredModel):
                              f"model (a tied tensor is its owner's, e.g. {names[0]})")
         for la in manifest.layers:  # PEFT would load a tied tensor's trained copy apart from
             for t in la.tensors:    # its reader (the LM head keeps the base embedding)
-                adapted = self.family.hf_name(la.name, t.name).rsplit(".", 2)[0]
-                if lora.is_adapter(t.name) and lora.saved(adapted + ".w", self.lora_saved):
-                    raise ValueError(f"--lora-modules-to-save trains {adapted} whole, which "
-                                     "--lora-targets adapts: PEFT would not adapt it (or not "
-                                     "load the adapter); leave it out of one of them")
+                name = self.family.hf_name(la.name, t.name)
+                if lora.is_adapter(name) and lora.saved(lora.adapted(name) + ".w",
+                                                        self.lora_saved):
+                    raise ValueError(f"--lora-modules-to-save trains {lora.adapted(name)} "
+                                     "whole, which --lora-targets adapts: PEFT would not adapt "
+                                     "it (or not load the adapter); leave it out of one of them")
                 if t.tie and lora.saved(self.family.hf_name(*t.tie), self.lora_saved):
                     raise ValueError(
                         f"--lora-modules-to-save trains {self.family.hf_name(*t.tie)}, which "
-                        f"{self.family.hf_name(la.name, t.name)} reads (tied embeddings): "
-                        "PEFT's adapter would load it untied; leave it out")
+                        f"{name} reads (tied embeddings): PEFT's adapter would load it "
+                        "untied; leave it out")
         return manifest
 
     def exported(self, plan) -> list[str]:
@@ -197,7 +198,9 @@ class HfModel(LayeredModel):
         if self._loader is None:
             self._loader = super().loader() if self.cfg.init_from else HfCheckpoint(self)
             if self.cfg.lora_rank and not self.cfg.init_from:
-                self._loader = lora.LoraInit(self._loader, self.cfg.seed)
+                self.manifest()  # (whether the adapted layers are Conv1D)
+                self._loader = lora.LoraInit(self._loader, self.cfg.seed,
+                                             self.lora_fan_in_fan_out)
         return self._loader
 
     def export_config(self):
@@ -223,7 +226,7 @@ class HfModel(LayeredModel):
             "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
             "target_modules": sorted(self.lora_modules), "bias": "none",
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
-            "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": False,
+            "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": cfg.lora_dora,
             "modules_to_save": list(self.lora_saved) or None})
 
     def tokenizer(self):
