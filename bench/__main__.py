@@ -27,6 +27,7 @@ from . import (
     memory,
     multibox,
     optimizer,
+    saving,
     scale,
     speed,
     states,
@@ -51,6 +52,7 @@ BENCHMARKS = {
     "flood": (flood.add_args, flood.flood),
     "multibox": (multibox.add_args, multibox.multibox),
     "collectives": (collectives.add_args, collectives.collectives),
+    "saving": (saving.add_args, saving.saving),
     "gpu": (gpu.add_args, gpu.gpu),  # see bench/gpu.py; make gpu-check runs it with the tests
 }
 EXTRA = ("scale", "bootstrap", "gpu", "states")  # long, or needing a GPU: not in "all"

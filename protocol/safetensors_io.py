@@ -8,10 +8,13 @@ be larger than the free memory, so this writes the (simple, documented) format d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,9 +22,15 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
 
+CHUNK = 64 << 20  # bytes written at once (with ``digest``: hashed while the next are written)
+
+
 def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (name, CPU tensor) to ``path`` atomically (tmp file + rename)."""
+                      metadata: dict[str, str] | None = None, digest: bool = False) -> str | None:
+    """Write ``tensors`` (name, CPU tensor) to ``path`` atomically (tmp file + rename).
+    ``digest``: return the file's sha256, computed from the bytes as they are written, on a
+    thread of its own (hashing and the writes release the GIL: they overlap, and the file is
+    not read back)."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -36,14 +45,28 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format pads the header to 8 bytes
     tmp = f"{path}.tmp-{os.getpid()}"
+    sha = hashlib.sha256() if digest else None
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256") if digest else None
+    hashing: deque = deque()  # the chunks being hashed, in order (at most two behind)
+
+    def put(chunk) -> None:
+        f.write(chunk)
+        if sha is not None:
+            hashing.append(hasher.submit(sha.update, chunk))
+            if len(hashing) > 2:
+                hashing.popleft().result()
+
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
+            put(struct.pack("<Q", len(blob)) + blob)
             for _, t in tensors:
                 t = t.detach().cpu().contiguous()
                 if t.numel():
-                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    for i in range(0, len(data), CHUNK):
+                        put(data[i:i + CHUNK])
+            while hashing:
+                hashing.popleft().result()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -53,6 +76,10 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
         except OSError:
             pass
         raise
+    finally:
+        if hasher is not None:
+            hasher.shutdown(wait=True, cancel_futures=True)
+    return sha.hexdigest() if sha is not None else None
 
 
 _FROM_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,

@@ -265,7 +265,7 @@ def test_a_save_the_os_refuses_is_an_error_reply_and_leaves_the_last_checkpoint(
     good = save(h, root)
     real = checkpoint.write_safetensors
 
-    def full(path, tensors, metadata=None):
+    def full(path, tensors, metadata=None, digest=False):
         real(path, tensors[:1], metadata)  # a part is written, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 

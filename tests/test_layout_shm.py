@@ -187,6 +187,22 @@ def test_streaming_safetensors_reads_back(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
 
 
+def test_the_digest_is_the_files_sha256_taken_as_it_is_written(tmp_path, monkeypatch):
+    """Hashed chunk by chunk on a thread of its own while the next chunks are written (chunks
+    of 64 bytes here: a tensor spans several, the header and a non-contiguous view others)."""
+    import hashlib
+
+    from protocol import safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "CHUNK", 64)
+    items = [("a", torch.randn(100)), ("t", torch.randn(7, 5).T), ("e", torch.zeros(0)),
+             ("h", torch.randn(33).bfloat16())]
+    path = tmp_path / "x.safetensors"
+    digest = write_safetensors(str(path), items, {"k": "v"}, digest=True)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert write_safetensors(str(path), items) is None  # (no digest asked for: no hashing)
+
+
 def test_a_region_larger_than_shared_memory_is_refused_cleanly(region_name):
     with pytest.raises(OSError, match="shared memory"):
         Region.create(region_name, 1 << 50)  # reserved up front: no SIGBUS on first touch
