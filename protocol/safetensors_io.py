@@ -30,7 +30,7 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
     """Write ``tensors`` (name, CPU tensor) to ``path`` atomically (tmp file + rename).
     ``digest``: return the file's sha256, computed from the bytes as they are written, on a
     thread of its own (hashing and the writes release the GIL: they overlap, and the file is
-    not read back)."""
+    not read back); the tensors must not change until it returns."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 import torch
@@ -201,6 +202,24 @@ def test_the_digest_is_the_files_sha256_taken_as_it_is_written(tmp_path, monkeyp
     digest = write_safetensors(str(path), items, {"k": "v"}, digest=True)
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
     assert write_safetensors(str(path), items) is None  # (no digest asked for: no hashing)
+
+    class Broken:  # a tensor that fails once the first ones are written and being hashed
+        dtype, shape = torch.float32, (4,)
+
+        def numel(self):
+            return 4
+
+        def element_size(self):
+            return 4
+
+        def detach(self):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        write_safetensors(str(tmp_path / "y.safetensors"), [*items, ("z", Broken())],
+                          digest=True)
+    assert sorted(os.listdir(tmp_path)) == ["x.safetensors"]  # its partial file is gone
+    assert not [t for t in threading.enumerate() if t.name.startswith("sha256")]
 
 
 def test_a_region_larger_than_shared_memory_is_refused_cleanly(region_name):

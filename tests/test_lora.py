@@ -253,3 +253,40 @@ def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
 def test_the_adapters_options_need_an_adapter(option):
     with pytest.raises(ValueError, match="give --lora-rank"):
         ModelConfig(model="hf:x", **{option: True})
+
+
+@pytest.mark.parametrize("served", [torch.float32, torch.bfloat16])
+def test_a_dora_layer_starts_as_its_base_layer_in_the_dtype_it_is_served_in(served):
+    """B is zero at the start and DoRA's magnitude the norm of W's rows as the worker holds W
+    (in bf16 with bf16 compute, as PEFT takes it from the bf16 weight): the adapted layer's
+    output is the base layer's, bit for bit (a magnitude from the fp32 weight, rounded to bf16,
+    would be off by 2^-8 of a row's output in about one row in 60)."""
+    from torch import nn
+
+    from protocol.tensors import LayerSpec, Manifest, TensorSpec
+    from worker.models import lora
+
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.q_proj = nn.Linear(256, 192)
+    base = {n: p.detach().clone() for n, p in block.named_parameters()}
+    lora.apply(block, 4, lora.scaling(8, 4), "q_proj", 0.0, dora=True)
+    plan = plan_layout(Manifest(layers=(LayerSpec(name="l", kind="block", tensors=tuple(
+        TensorSpec(name=n, shape=tuple(p.shape)) for n, p in block.named_parameters())),))
+                       ).layers[0]
+
+    class Checkpoint:
+        def load(self, plan):
+            return {s.name: base[s.name] for s in plan.tensors}
+
+    init = lora.LoraInit(Checkpoint(), seed=0)
+    init.served = served
+    values = init.load(plan)
+    block.to(served)
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            p.copy_(values[n])
+    x = torch.randn(8, 256, dtype=served)
+    with torch.no_grad():
+        assert torch.equal(block.q_proj(x), nn.functional.linear(
+            x, base["q_proj.weight"].to(served), base["q_proj.bias"].to(served)))

@@ -117,10 +117,11 @@ def test_split_does_not_matter(cluster, tmp_path):
 
 def test_resume_from_a_scheduled_checkpoint_reproduces_an_uninterrupted_run(cluster,
                                                                             tmp_path):
-    """6 steps checkpointed every 3 (two kept): step 6's is not written again at exit. A new
-    server resumed from step 3's checkpoint trains to 6 and equals the uninterrupted run (data
-    and dropout are functions of the step); one resumed from the latest (step 6's) and stopped
-    before another step (a restarted job, say) writes nothing again."""
+    """6 steps checkpointed every 3 (two kept): step 6's is not written again at exit, and the
+    checkpoints change nothing (the run equals plain PyTorch training). A new server resumed
+    from step 3's checkpoint trains to 6 and equals the uninterrupted run (data and dropout are
+    functions of the step); one resumed from the latest (step 6's) and stopped before another
+    step (a restarted job, say) writes nothing again."""
     ckpt = tmp_path / "ckpt"
     kept = ["step-00000003", "step-00000006"]
     straight = tmp_path / "straight.safetensors"
@@ -129,6 +130,8 @@ def test_resume_from_a_scheduled_checkpoint_reproduces_an_uninterrupted_run(clus
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == kept
     assert "step 6 is saved in" in cluster.log(cluster.server)
     assert json.loads((ckpt / kept[0] / "state.json").read_text())["step"] == 3
+    assert_close(load_file(str(straight)), train_resident(
+        ModelConfig(model="bert", **SMALL_CFG), steps=6, global_micro_batches=2, batch_size=4))
     cluster.close()
     resumed = tmp_path / "resumed.safetensors"
     cluster.run_job(1, *SMALL, "--steps", "6", "--save", str(resumed),

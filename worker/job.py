@@ -234,7 +234,8 @@ class WorkerJob:
         cfg, welcome = self.cfg, self.welcome
         if welcome.init_layers:
             t0 = time.perf_counter()
-            bootstrap(self.client, self.model.loader(), self.layout, welcome.init_layers)
+            bootstrap(self.client, self.model.loader(getattr(torch, welcome.compute_dtype)),
+                      self.layout, welcome.init_layers)
             self.model.drop_loader()  # its files stay mapped only while they are read
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
         sharder = Sharder(self.task, cfg.micro_batch_size, cfg.global_micro_batches)

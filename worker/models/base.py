@@ -293,8 +293,9 @@ class LayeredModel:
         init_params(module, gen)
         return module
 
-    def loader(self):
-        """Where the initial weights come from: ``cfg.init_from`` or the seeded random init."""
+    def loader(self, served: torch.dtype = torch.float32):
+        """Where the initial weights come from: ``cfg.init_from`` or the seeded random init
+        (``served``: the dtype the EPS serves them in, for values computed from others)."""
         from .loaders import RandomInit, SafetensorsInit
 
         if self._loader is None:

@@ -64,10 +64,11 @@ def _update(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     else:
         x = self.lora_dropout(x)
         base = F.linear(x, w)
-    with torch.no_grad():
-        delta = (self.lora_B.weight @ self.lora_A.weight).to(x.dtype)
-        norm = torch.linalg.norm(w.to(x.dtype) + self.scaling * delta, dim=1)
-    scale = (self.lora_magnitude_vector / norm).view(1, -1)
+    m = self.lora_magnitude_vector
+    with torch.no_grad():  # in fp32, then as m is served: m / norm is 1 where m was made
+        delta = (self.lora_B.weight @ self.lora_A.weight).float()
+        norm = torch.linalg.norm(w.float() + self.scaling * delta, dim=1).to(m.dtype)
+    scale = (m / norm).view(1, -1).to(x.dtype)
     return (scale - 1) * base + scale * self.lora_B(self.lora_A(x)) * self.scaling
 
 
@@ -162,7 +163,11 @@ def saved(hf_name: str, modules: tuple[str, ...]) -> bool:
 class LoraInit:
     """A weight loader: the base model's tensors from ``base`` (the checkpoint), the adapter's
     initialised as PEFT does, seeded by (seed, layer, tensor); DoRA's magnitudes are the norms
-    of the base weight's rows (``fan_in_fan_out``: of its columns, a ``Conv1D``'s outputs)."""
+    of the base weight's rows (``fan_in_fan_out``: of its columns, a ``Conv1D``'s outputs), of
+    the weight as it is served (``served``: bf16 compute, say) and rounded as they will be, so
+    that the adapted layer starts as the base layer, as in PEFT."""
+
+    served = torch.float32
 
     def __init__(self, base, seed: int, fan_in_fan_out: bool = False):
         self.base, self.seed, self.fan_in_fan_out = base, seed, fan_in_fan_out
@@ -183,9 +188,10 @@ class LoraInit:
                 out[s.name] = t.uniform_(-bound, bound, generator=gen)
             elif s.name.endswith(".lora_B.weight"):
                 out[s.name] = torch.zeros(s.shape)
-            elif s.name.endswith(MAGNITUDE):  # ||W + s B A|| with B = 0
-                w = out[adapted(s.name) + ".weight"].float()
-                out[s.name] = torch.linalg.norm(w.T if self.fan_in_fan_out else w, dim=1)
+            elif s.name.endswith(MAGNITUDE):  # ||W + s B A|| with B = 0, as _update takes it
+                w = out[adapted(s.name) + ".weight"].to(self.served).float()
+                norm = torch.linalg.norm(w.T if self.fan_in_fan_out else w, dim=1)
+                out[s.name] = norm.to(self.served).float()
         return out
 
 

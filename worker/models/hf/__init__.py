@@ -19,6 +19,8 @@ import hashlib
 import logging
 import os
 
+import torch
+
 from ...config import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel
@@ -194,13 +196,15 @@ class HfModel(LayeredModel):
     def ties(self):
         return families.ties(self.config, self.family)
 
-    def loader(self):
+    def loader(self, served: torch.dtype = torch.float32):
         if self._loader is None:
             self._loader = super().loader() if self.cfg.init_from else HfCheckpoint(self)
             if self.cfg.lora_rank and not self.cfg.init_from:
                 self.manifest()  # (whether the adapted layers are Conv1D)
                 self._loader = lora.LoraInit(self._loader, self.cfg.seed,
                                              self.lora_fan_in_fan_out)
+        if isinstance(self._loader, lora.LoraInit):
+            self._loader.served = served
         return self._loader
 
     def export_config(self):
