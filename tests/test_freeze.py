@@ -49,8 +49,7 @@ def test_frozen_tensors_train_as_the_resident_model_with_them_frozen(tmp_path):
         assert (got[name] == start[name]).all(), name
     assert not (got["blocks.0.mlp.fc.weight"] == start["blocks.0.mlp.fc.weight"]).all()
     # fp32: a served copy of every element (4 B), master and AdamW's m, v (12 B) of the
-    # trained ones only, and each layer's step count (nothing frozen: 12 B for every element,
-    # the master served)
+    # trained ones only, and each layer's step count (nothing frozen: test_launch.py's GPT)
     layout = plan_layout(build_model(mcfg).manifest())
     trained = sum(p.trainable for p in layout.layers)
     assert trained < layout.total_numel / 2
