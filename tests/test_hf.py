@@ -1,5 +1,5 @@
 """Hugging Face models (--model hf:DIR) against the library's own models: tiny BERT, GPT-2,
-Llama, Qwen2 and Mistral directories made by save_pretrained in a temporary directory.
+Llama-style and mixture-of-experts directories made by save_pretrained in a temporary directory.
 
 L2L (the executor, weights held locally: tests.baseline.train_local_l2l) trains them exactly
 as the library's model trains itself (all layers resident, torch AdamW, gradient accumulation
@@ -40,14 +40,16 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
     ("bert", True, 0), ("bert-mlm", False, 3), ("roberta", False, 0), ("roberta-mlm", False, 3),
     ("xlm-roberta", False, 0),
     ("gpt2", False, 0), *((f, False, 0) for f in fx.DECODERS), ("qwen3-cls", False, 0),
+    ("mixtral-cls", False, 0),
     ("llama", False, 3)])
 def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     """BERT classifier on sentence pairs (token types), and from a masked LM (a new pooler and
     head); RoBERTa (positions from the padding,
     a first-token head) from a classifier and, with a new head (``classes``), from a masked LM;
     GPT-2 with its tied LM head; the decoders of fx.DECODERS (grouped-query attention, windows
-    shorter than the sequence, layers without rotary, scaled embeddings and logits, tied heads)
-    on text or token ids; decoders as sequence classifiers (pooled at the last real token of
+    shorter than the sequence, layers without rotary, scaled embeddings and logits, tied heads,
+    mixtures of experts with router noise, shared experts and dense layers) on text or token
+    ids; decoders (Qwen3, Mixtral) as sequence classifiers (pooled at the last real token of
     padded rows), from a classifier and from a causal LM with a new head; dropout 0.1
     everywhere it exists."""
     path = fx.model_dir(tmp_path / "model", family)
@@ -194,6 +196,38 @@ def test_every_family_exports_what_it_loaded(tmp_path, family, classes):
         assert config.pad_token_id == 0 and config.num_labels == 3  # the fixture's [PAD]
 
 
+
+@pytest.mark.parametrize("family, kinds", [
+    ("mixtral", ["sliding", "sliding"]), ("qwen2_moe", ["block", "block-dense"]),
+    ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"])])
+def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
+                                                                           kinds):
+    """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
+    the down projections) where a checkpoint keeps one Linear per expert (Mixtral's under
+    other names): every loaded tensor equals from_pretrained's, and export writes the
+    checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's dense layers are a
+    block kind of their own."""
+    from protocol.safetensors_io import SafetensorsFile
+    from protocol.tensors import plan_layout
+
+    path = fx.model_dir(tmp_path / "model", family, biases=True)
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ))
+    assert [k for _, k in model.layer_kinds()[1:-1]] == kinds
+    loaded = {(p.name, n): t for p in plan_layout(model.manifest()).layers
+              for n, t in model.loader().load(p).items()}
+    state = transformers.AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    named = {model.family.hf_name(*k): t for k, t in loaded.items()}
+    assert set(state) == set(named) and sum("experts.gate_up_proj" in k for k in named) == \
+        kinds.count("block") + kinds.count("sliding")
+    for name, t in named.items():
+        assert torch.equal(state[name], t), name
+    model.export(str(tmp_path / "out"), loaded, {})
+    source = SafetensorsFile(str(path / "model.safetensors"))
+    out = SafetensorsFile(str(tmp_path / "out" / "model.safetensors"))
+    assert set(out.keys()) == set(source.keys())
+    for name in source.keys():
+        assert torch.equal(out.get(name), source.get(name)), name
+
 def test_a_decoder_classifier_pads_with_what_it_pools_by(tmp_path):
     """A causal LM's tokenizer without a padding token (as Llama 3's): the classifier takes its
     end-of-text as padding, the data pads with it, export writes it, and training equals the
@@ -224,6 +258,9 @@ def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         build_model(ModelConfig(model=f"hf:{path}"))
+    moe = fx.model_dir(tmp_path / "moe", "mixtral", output_router_logits=True)
+    with pytest.raises(ValueError, match="output_router_logits: its router's load-balancing"):
+        build_model(ModelConfig(model=f"hf:{moe}"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a Hugging Face config"):

@@ -178,6 +178,32 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
     assert any(".lora_magnitude_vector" in k for k in got) is lora.get("lora_dora", False)
 
 
+def test_all_linear_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path):
+    """all-linear on Qwen2-MoE adapts what PEFT's all-linear adapts: the attention, the shared
+    expert and its gate (Linear layers), not the router nor the stacked experts; 3 AdamW steps
+    through the executor equal PEFT's training from the same adapter, and only the adapters
+    move."""
+    from peft import PeftModel
+
+    path = fx.model_dir(tmp_path / "model", "qwen2_moe")
+    data = data_for("qwen2_moe", tmp_path)
+    lora = {"lora_targets": "all-linear"}
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, **lora)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
+    init = tmp_path / "init"
+    _initial_adapter(path, init, **lora)
+    config = json.loads((init / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+         "shared_expert_gate"])
+    want = _peft_names(train_hf(
+        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+        wrap=lambda hf: PeftModel.from_pretrained(hf, str(init), is_trainable=True)))
+    adapters = [k for k in want if "lora_" in k]
+    assert adapters and set(adapters) == {k for k in got if "lora_" in k}
+    assert not any("experts." in k or "mlp.gate." in k for k in adapters)
+    assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
+
 @pytest.mark.parametrize("family, lora", [
     ("llama", {"lora_rslora": True}), ("gpt2", {}), ("llama", {"lora_dora": True}),
     ("gpt2", {"lora_dora": True, "lora_rslora": True})],

@@ -6,7 +6,8 @@ Supported (families.py): BERT, RoBERTa and XLM-RoBERTa as sequence classifiers (
 model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to the
 token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3,
 Phi-3, OLMo-2, SmolLM3, Gemma, Gemma 2 and Granite: grouped-query attention, sliding-window and
-no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits), these but
+no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits; and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), these but
 Granite (the library has no classifier for it) also as sequence classifiers (a
 ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's). The stages call
 the library's own modules (stages.py); the EPS never sees any of this, only the manifest.
@@ -90,8 +91,11 @@ class HfModel(LayeredModel):
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {limit} positions the "
                              "model's position embeddings cover")
         # What from_pretrained would pick; the library's modules read it from the config.
-        c._attn_implementation = c._attn_implementation or families.ARCH[
-            c.model_type].attention()
+        arch = families.ARCH[c.model_type]
+        c._attn_implementation = c._attn_implementation or arch.attention()
+        if arch.experts:
+            c._experts_implementation = (c._experts_implementation
+                                         or arch.experts_implementation())
         self.dropout = max((v for k, v in c.to_dict().items()
                             if isinstance(v, float) and "drop" in k), default=0.0)
         self._kinds = families.block_kinds(c)

@@ -6,11 +6,13 @@ bootstrapping a large model never holds it (nor a copy of it) in the worker. A c
 the base model alone (e.g. ``BertModel`` for a sequence classifier) names its tensors without
 the base prefix; tensors it lacks (a new classifier, BERT's pooler) are initialised as the
 library initialises a Linear (matrices normal(0, initializer_range), vectors 0), seeded by
-(seed, layer), and listed in a warning.
+(seed, layer), and listed in a warning. A mixture of experts' per-expert tensors are stacked
+as the library stacks them (experts.py).
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model), ``model.safetensors`` with the library's names (a tied tensor once, under
-its owner's name), and the source's tokenizer files and generation defaults.
+its owner's name; experts one by one, as save_pretrained writes them), and the source's
+tokenizer files and generation defaults.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from protocol.safetensors_io import SafetensorsFile, write_safetensors
 from protocol.tensors import LayerPlan
 
 from ..base import derive_seed
+from . import families
 
 log = logging.getLogger("l2l_worker")
 
@@ -53,6 +56,7 @@ class HfCheckpoint:
             raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
                              "(only safetensors checkpoints are read)")
         self._open: dict[str, object] = {}
+        self.experts = families.ARCH[model.config.model_type].experts
 
     def _get(self, name: str) -> torch.Tensor | None:
         base = self.model.family.base_prefix
@@ -76,6 +80,8 @@ class HfCheckpoint:
             name = self.model.family.hf_name(plan.name, slot.name)
             foreign = not self.model.reads_head and name.startswith(self.model.family.head)
             t = None if foreign else self._get(name)
+            if t is None and not foreign and self.experts:
+                t = self.experts.read(name, slot.shape, self._get)
             if t is None:
                 if not foreign and not name.startswith(self.model.family.new_head):
                     raise ValueError(f"{self.path} has no tensor {name!r} (nor a legacy name "
@@ -114,6 +120,9 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
     config = model.export_config()
     config.save_pretrained(path)
     named = [(model.family.hf_name(layer, name), t) for (layer, name), t in tensors.items()]
+    experts = families.ARCH[model.config.model_type].experts
+    if experts:
+        named = [pair for name, t in named for pair in experts.write(name, t)]
     write_safetensors(os.path.join(path, "model.safetensors"), named, {"format": "pt"})
     for name in SOURCE_FILES:
         src = os.path.join(model.path, name)

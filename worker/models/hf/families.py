@@ -16,6 +16,7 @@ import importlib
 from dataclasses import dataclass
 
 from . import stages
+from .experts import MIXTRAL, QWEN, ExpertNames, sparse_layers
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Arch:
     multipliers: bool = False  # Granite: embedding_multiplier in, logits / logits_scaling out
     nope_layers: bool = False  # SmolLM3: the layers no_rope_layers marks 0 use no rotary
     softcap: bool = False  # Gemma 2: logits = tanh(logits / cap) * cap (final_logit_softcapping)
+    experts: ExpertNames | None = None  # a mixture of experts: its checkpoint names (experts.py)
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -61,6 +63,12 @@ class Arch:
         """The attention from_pretrained picks by default: SDPA where the model supports it
         (Gemma 2's soft-capped attention does not: eager)."""
         return "sdpa" if self.cls("PreTrainedModel")._supports_sdpa else "eager"
+
+    def experts_implementation(self) -> str:
+        """The experts' computation from_pretrained picks by default: grouped matmuls where the
+        model can set it."""
+        return ("grouped_mm" if self.cls("PreTrainedModel")._can_set_experts_implementation()
+                else "eager")
 
 
 ARCH = {
@@ -79,6 +87,10 @@ ARCH = {
     "gemma2": Arch("Gemma2", "gemma2", sliding="layer_types", scaled_embedding=True,
                    softcap=True),
     "granite": Arch("Granite", "granite", multipliers=True),
+    "mixtral": Arch("Mixtral", "mixtral", sliding="all", experts=MIXTRAL),
+    "qwen2_moe": Arch("Qwen2Moe", "qwen2_moe", sliding="layer_types", experts=QWEN),
+    "qwen3_moe": Arch("Qwen3Moe", "qwen3_moe", sliding="all", experts=QWEN),
+    "olmoe": Arch("Olmoe", "olmoe", experts=QWEN),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -103,7 +115,8 @@ GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
               ())  # its LM head is the token embedding
 
 DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
-                  "gemma2", "granite"), "ForCausalLM", "lm", "model.", {
+                  "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+                 "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
     "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",),
@@ -142,6 +155,11 @@ def family_of(config, classes: int = 0) -> Family:
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
                          "reorder_and_upcast_attn computes each block differently; not supported")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"a {config.model_type} model with output_router_logits: its router's "
+                         "load-balancing loss (router_aux_loss_coef) averages the routing of all "
+                         "layers together, which this layer-by-layer step does not add; set "
+                         "output_router_logits to false in config.json to train without it")
     if getattr(config, "is_decoder", False) and family in (BERT, ROBERTA):
         raise ValueError(f"a {config.model_type} decoder (is_decoder) is not supported; use an "
                          "encoder checkpoint")
@@ -165,7 +183,7 @@ def block_kinds(config) -> list[str]:
     """The stage kind of each block (blocks of one kind compute alike), by each model's own
     rule: Mistral and Phi-3 slide every layer when ``sliding_window`` is set, Qwen2/3, Gemma 2
     and SmolLM3 follow ``layer_types``, the others never slide; SmolLM3's ``no_rope_layers``
-    marks the layers without rotary ("-nope")."""
+    marks the layers without rotary ("-nope"), Qwen-MoE's dense layers are "-dense"."""
     n, arch = config.num_hidden_layers, ARCH[config.model_type]
     kinds = ["block"] * n
     if arch.sliding == "all" and getattr(config, "sliding_window", None) is not None:
@@ -175,6 +193,8 @@ def block_kinds(config) -> list[str]:
                  for t in config.layer_types[:n]]
     if arch.nope_layers:
         kinds = [k if config.no_rope_layers[i] else f"{k}-nope" for i, k in enumerate(kinds)]
+    if arch.experts:
+        kinds = [k if moe else f"{k}-dense" for k, moe in zip(kinds, sparse_layers(config))]
     return kinds
 
 

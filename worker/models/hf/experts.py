@@ -1,0 +1,82 @@
+"""Mixture-of-experts layers in checkpoints, one layer at a time.
+
+The library keeps a MoE layer's experts as two stacked tensors, ``mlp.experts.gate_up_proj``
+(experts x 2*intermediate x hidden: each expert's gate rows, then its up rows) and
+``mlp.experts.down_proj`` (experts x hidden x intermediate), while checkpoints, and what
+``save_pretrained`` writes, keep one Linear per expert: Mixtral's
+``block_sparse_moe.experts.E.w1/w3/w2`` (gate, up, down; its router under
+``block_sparse_moe.gate``), Qwen-MoE's and OLMoE's ``mlp.experts.E.gate_proj/up_proj/down_proj``.
+This is the library's conversion mapping (transformers/conversion_mapping.py) for these types,
+applied as it loads and reversed as it saves; a checkpoint already in the stacked form is read
+as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    module: str  # the MoE block's name in checkpoints (the library's is "mlp")
+    gate: str
+    up: str
+    down: str
+
+    def _expert(self, prefix: str, e: int, proj: str) -> str:
+        return f"{prefix}{self.module}.experts.{e}.{proj}.weight"
+
+    def read(self, name: str, shape: tuple, get: Callable[[str], torch.Tensor | None]
+             ) -> torch.Tensor | None:
+        """The library's tensor ``name`` (``shape``) from a checkpoint's per-expert tensors
+        (``get``: a checkpoint tensor by name, None if absent); None if it has none."""
+        if name.endswith((GATE_UP, DOWN)):
+            stacked = GATE_UP if name.endswith(GATE_UP) else DOWN
+            prefix = name[:-len(stacked)]
+            parts = [(self.gate, self.up)] if stacked == GATE_UP else [(self.down,)]
+            experts = []
+            for e in range(shape[0]):
+                found = [get(self._expert(prefix, e, p)) for p in parts[0]]
+                if any(t is None for t in found):
+                    return None
+                experts.append(torch.cat(found, 0) if len(found) > 1 else found[0])
+            return torch.stack(experts)
+        if self.module != "mlp" and ".mlp." in name:  # Mixtral's router
+            return get(name.replace(".mlp.", f".{self.module}.", 1))
+        return None
+
+    def write(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors for the library's tensor ``name`` (as save_pretrained
+        writes them)."""
+        if name.endswith(GATE_UP):
+            prefix, half = name[:-len(GATE_UP)], t.shape[1] // 2
+            return [pair for e in range(t.shape[0]) for pair in (
+                (self._expert(prefix, e, self.gate), t[e, :half].contiguous()),
+                (self._expert(prefix, e, self.up), t[e, half:].contiguous()))]
+        if name.endswith(DOWN):
+            prefix = name[:-len(DOWN)]
+            return [(self._expert(prefix, e, self.down), t[e].contiguous())
+                    for e in range(t.shape[0])]
+        if self.module != "mlp" and ".mlp." in name:
+            return [(name.replace(".mlp.", f".{self.module}.", 1), t)]
+        return [(name, t)]
+
+
+MIXTRAL = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+QWEN = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def sparse_layers(config) -> list[bool]:
+    """Which layers are MoE: Qwen-MoE's dense layers are those ``mlp_only_layers`` lists and
+    those ``decoder_sparse_step`` skips (the library's rule); the others' layers all are."""
+    n = config.num_hidden_layers
+    only = getattr(config, "mlp_only_layers", None)
+    if only is None:
+        return [True] * n
+    step = config.decoder_sparse_step
+    return [i not in only and config.num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
