@@ -22,7 +22,8 @@ against a baseline measured in the same run, on the same GPU.
               model, micro-batches and global batch as L2L: samples/s and peak device memory
     hfpeers   l2l at several activation budgets beside the resident model and the peers on a
               Hugging Face Llama of TinyLlama's shape (--hf-layers; 'beyond': deeper than the
-              resident model can hold): samples/s, MFU, peak device memory
+              resident model can hold), or a mixture of experts of OLMoE-1B-7B's shape
+              (--hf-arch olmoe): samples/s, MFU, peak device memory
 
 ``--tiny`` runs every piece with a tiny model on whatever device there is: it checks the
 harness (the CPU suite does), its figures mean nothing.
@@ -82,9 +83,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-lora", type=int, default=0,
                    help="llama: LoRA rank (all-linear adapters, the base frozen); 0: every "
                    "parameter trains")
+    p.add_argument("--hf-arch", default="llama", choices=("llama", "olmoe"),
+                   help="hfpeers: the model's shape: TinyLlama's, or OLMoE-1B-7B's mixture of "
+                        "experts (64 experts, 8 per token)")
     p.add_argument("--hf-layers", default="22",
-                   help="hfpeers: layers of the TinyLlama-shaped model (22: 1.1B parameters); "
-                        "'beyond': the fewest the resident model cannot hold on this device")
+                   help="hfpeers: layers of the model (TinyLlama's shape, 22: 1.1B parameters; "
+                        "OLMoE's, 16: 6.9B); 'beyond' (llama): the fewest the resident model "
+                        "cannot hold on this device")
     p.add_argument("--hf-us", default="4,8", help="hfpeers: l2l's micro-batches per visit "
                    "(the peers run at the first)")
     p.add_argument("--hf-budgets", default="0,-1",

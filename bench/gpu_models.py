@@ -18,6 +18,7 @@ from eps_server.config import available_cores
 from .common import check, l2l_job, steady_step_seconds, table
 from .gpu import GIB, PEAK_BF16_TFLOPS, WORKER_THREADS, job, step_waits
 from .gpu_parts import MEM, SHM, peak_bytes, trace_split
+from .hfdirs import LLAMA_8B, LLAMA_TINY, SHAPES, TINYLLAMA, active_params, hf_dir, token_file
 
 
 def mfu_shape(a) -> dict:
@@ -87,46 +88,15 @@ def model_flops_utilisation(a, flops: float) -> tuple[float, float]:
     return (flops / (peak * 1e12) if peak else float("nan")), peak
 
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                rope_theta=500000.0, tie_word_embeddings=False)
-TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
-                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
-                 tie_word_embeddings=False)  # 22 layers: 1.1B parameters
-LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
-                  tie_word_embeddings=False)
-
-
-def llama_dir(path: str, layers: int, tiny: bool, device: str, shape: dict = LLAMA_8B) -> int:
-    """A save_pretrained directory (bf16 safetensors, no tokenizer: token ids are the data)
-    of a randomly initialised Llama model of ``shape``, built on ``device``; its parameters."""
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(**(LLAMA_TINY if tiny else shape), num_hidden_layers=layers)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = tf.LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(before)
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(path)
-    del model
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-    return params
-
-
 def bench_llama(a) -> dict:
     seq, mbs, u = (32, 2, 2) if a.tiny else (1024, 8, 4)
     layers = 2 if a.tiny else a.llama_layers
     with tempfile.TemporaryDirectory(prefix="l2l-llama-") as tmp:
         t0 = time.perf_counter()
-        params = llama_dir(os.path.join(tmp, "model"), layers, a.tiny, a.device)
+        shape = LLAMA_TINY if a.tiny else LLAMA_8B
+        params = hf_dir(os.path.join(tmp, "model"), layers, shape, a.device)
         made = time.perf_counter() - t0
-        vocab = (LLAMA_TINY if a.tiny else LLAMA_8B)["vocab_size"]
+        vocab = shape["vocab_size"]
         data = os.path.join(tmp, "tokens.bin")
         steps = a.warmup + a.steps
         token_file(data, vocab, (steps + 1) * u * mbs * (seq + 1))
@@ -163,16 +133,12 @@ def bench_llama(a) -> dict:
             "peak_bytes": peak_bytes(s), "losses": s["losses"], "targets": []}
 
 
-def token_file(path: str, vocab: int, tokens: int) -> None:
-    """Random token ids (uint32), the data of a model built from a config."""
-    torch.randint(0, vocab, (tokens,), dtype=torch.int32).numpy().astype("uint32").tofile(path)
-
-
 def bench_hfpeers(a) -> dict:
     """l2l at each --hf-budgets (default 0 and auto) and --hf-us (default 4 and 8) beside the
-    peers of --peers (bench/peers.py) at the first u, on a Hugging Face Llama of TinyLlama's
-    shape (--hf-layers, 22: 1.1B parameters), T=1024, micro-batch 8, bf16: samples/s and peak
-    device memory."""
+    peers of --peers (bench/peers.py) at the first u, on a Hugging Face model of --hf-arch's
+    shape (llama: TinyLlama's, --hf-layers 22: 1.1B parameters; olmoe: OLMoE-1B-7B's mixture
+    of experts, 16 layers: 6.9B), T=1024, micro-batch 8, bf16: samples/s and peak device
+    memory; MFU at 6 FLOPs per active parameter (a mixture's chosen experts) and token."""
     from worker.config import DataConfig, ModelConfig
 
     from .gpu import live
@@ -181,18 +147,21 @@ def bench_hfpeers(a) -> dict:
     seq, mbs = (32, 2) if a.tiny else (1024, 8)
     us = (2,) if a.tiny else tuple(int(u) for u in a.hf_us.split(","))
     budgets = [b.strip() for b in a.hf_budgets.split(",") if b.strip()]
-    layers = 2 if a.tiny else hf_depth(a.hf_layers, a.device)
+    arch, full, tiny = SHAPES[a.hf_arch]
+    shape = tiny if a.tiny else full
+    layers = 2 if a.tiny else hf_depth(a.hf_layers, a.device, a.hf_arch)
     precision = "fp32" if a.tiny else "bf16"
     # ratio: an l2l row's speed over l2l at the first budget; a peer's, l2l's best over its
     headers = ["system", "u", "samples/s", "MFU", "peak GiB", "ratio", "last loss"]
     rows, out = live(a, headers), {}
     with tempfile.TemporaryDirectory(prefix="l2l-hfpeers-") as tmp:
         model = os.path.join(tmp, "model")
-        params = llama_dir(model, layers, a.tiny, a.device, TINYLLAMA)
-        # 6 FLOPs per parameter and token (attention's own FLOPs left out), of the bf16 peak
+        params = hf_dir(model, layers, shape, a.device, arch)
+        active = active_params(shape, layers, params)
+        # 6 FLOPs per active parameter and token (attention's own left out), of the bf16 peak
         mfu = lambda r: model_flops_utilisation(  # noqa: E731
-            a, 6 * params * seq * r["samples_per_sec"])[0]
-        vocab = (LLAMA_TINY if a.tiny else TINYLLAMA)["vocab_size"]
+            a, 6 * active * seq * r["samples_per_sec"])[0]
+        vocab = shape["vocab_size"]
         data = os.path.join(tmp, "tokens.bin")
         steps = a.warmup + a.steps
         token_file(data, vocab, (steps + 1) * max(us) * mbs * (seq + 1))
@@ -238,9 +207,12 @@ def bench_hfpeers(a) -> dict:
     fsdp = out.get("fsdp2", {}).get("samples_per_sec")
     auto = [(u, out[l2l_key(u, "-1")]["samples_per_sec"] / out[l2l_key(u, "0")]["samples_per_sec"])
             for u in us if {"0", "-1"} <= set(budgets)]
-    return {"table": table(f"hfpeers: Hugging Face Llama, TinyLlama's shape, {layers} layers "
-                           f"({params / 1e9:.2f}B), {precision}, T={seq} B={mbs}", headers, rows),
-            "params": params, "systems": out,
+    what = ("Llama, TinyLlama's shape" if a.hf_arch == "llama" else
+            "OLMoE, OLMoE-1B-7B's shape")
+    return {"table": table(f"hfpeers: Hugging Face {what}, {layers} layers ({params / 1e9:.2f}B"
+                           f", {active / 1e9:.2f}B active), {precision}, T={seq} B={mbs}",
+                           headers, rows),
+            "params": params, "active_params": active, "systems": out,
             "targets": [] if a.tiny else [
                 *(check(f"l2l auto / budget 0 at u={u}", ratio, ">=", 1.15) for u, ratio in auto),
                 *([check(f"l2l (best budget, u={us[0]}) / FSDP2 CPUOffload (fused)",
@@ -254,12 +226,14 @@ def bench_hfpeers(a) -> dict:
 RESIDENT_BASE, RESIDENT_PER_LAYER, OFFLOAD_BYTES = 4.3 * GIB, 1.6 * GIB, 20
 
 
-def hf_depth(layers: str, device: str) -> int:
-    """--hf-layers: a number, or 'beyond': the fewest TinyLlama-shaped layers whose resident
-    training needs 15% more than the device holds (its out-of-memory row is the point), while
-    the offloading peers' host memory still fits in 80% of this host's RAM."""
+def hf_depth(layers: str, device: str, arch: str = "llama") -> int:
+    """--hf-layers: a number, or 'beyond' (llama): the fewest TinyLlama-shaped layers whose
+    resident training needs 15% more than the device holds (its out-of-memory row is the
+    point), while the offloading peers' host memory still fits in 80% of this host's RAM."""
     if layers != "beyond":
         return int(layers)
+    if arch != "llama":
+        raise SystemExit("--hf-layers beyond is sized for --hf-arch llama; give a number")
     dev = torch.device(device)
     if dev.type != "cuda":
         raise SystemExit("--hf-layers beyond needs a CUDA device (it is sized by its memory)")

@@ -80,11 +80,13 @@ def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size:
 
 def resident_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
                           steps: int, warmup: int, checkpoint: bool, lr: float = 1e-3,
-                          device="cpu") -> float:
-    """All layers resident, gradient accumulation over the micro-batches, fused AdamW."""
+                          device="cpu", data=None) -> float:
+    """All layers resident, gradient accumulation over the micro-batches, fused AdamW
+    (``data``: the DataConfig a Hugging Face model reads)."""
     net = build_model(mcfg).assemble().train().to(device)
     opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), 0.01), lr=lr, fused=True)
-    sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
+    sharder = Sharder(build_task(build_model(mcfg), data, micro_batch_size=batch_size,
+                                 global_micro_batches=micro_batches), batch_size, micro_batches)
 
     def step(i: int) -> None:
         opt.zero_grad(set_to_none=False)

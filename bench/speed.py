@@ -2,7 +2,9 @@
 
 throughput  L2L (eps-server + 1 worker) vs the same model fully resident with gradient
             accumulation, and resident with per-layer activation checkpointing (the same
-            recompute L2L does). Same samples per step, 1 compute thread each.
+            recompute L2L does). Same samples per step, 1 compute thread each. ``--model
+            olmoe``: a Hugging Face mixture of experts (OLMoE, 8 experts, 2 per token) of
+            --layers x --hidden, built in a temporary directory, on random token ids.
 overlap     exposed overhead = L2L step time / step time of the same L2L loop with all weights
             already local and the optimizer run in-process, minus 1; also without L2Lp overlap.
 innerloop   L2L throughput for u = 1, 2, 4, 8 micro-batches per layer visit.
@@ -14,17 +16,23 @@ optimizer in its own process (one more thread), as it would beside a GPU worker.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import tempfile
 
 import torch
 
-from worker.config import ModelConfig
+from worker.config import DataConfig, ModelConfig
 
 from .common import check, free_port, l2l_job, median, steady_step_seconds, table
 from .local import local_l2l_step_seconds, resident_step_seconds
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="bert")
+    p.add_argument("--model", default="bert",
+                   help="bert, gpt, olmoe (a Hugging Face mixture of experts built here), or "
+                        "hf:DIR with --data")
+    p.add_argument("--data", default="", help="uint32 token ids for --model hf:DIR")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -40,15 +48,49 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_cfg(a) -> ModelConfig:
+    if a.model.startswith("hf:"):
+        return ModelConfig(model=a.model, seq_len=a.seq_len)
     return ModelConfig(model=a.model, layers=a.layers, hidden=a.hidden, heads=a.heads,
                        seq_len=a.seq_len, vocab=1024, dropout=0.1)
 
 
+def data_cfg(a) -> DataConfig | None:
+    return DataConfig(data=a.data, token_dtype="uint32") if a.model.startswith("hf:") else None
+
+
 def model_argv(a, micro_batches: int) -> list[str]:
-    return ["--model", a.model, "--layers", str(a.layers), "--hidden", str(a.hidden),
-            "--heads", str(a.heads), "--seq-len", str(a.seq_len), "--vocab", "1024",
+    shape = (["--data", a.data, "--token-dtype", "uint32"] if a.model.startswith("hf:") else
+             ["--layers", str(a.layers), "--hidden", str(a.hidden), "--heads", str(a.heads),
+              "--vocab", "1024"])
+    return ["--model", a.model, *shape, "--seq-len", str(a.seq_len),
             "--micro-batch-size", str(a.micro_batch_size), "--micro-batches",
             str(micro_batches), "--threads", str(a.threads), "--device", a.device]
+
+
+@contextlib.contextmanager
+def built_model(a):
+    """--model olmoe: a Hugging Face OLMoE of --layers x --hidden (8 experts of --hidden, 2 per
+    token, vocabulary 1024) and random token ids, in a temporary directory while the benchmark
+    runs (``a.model`` is then its hf: path); the built-in models as they are."""
+    if a.model != "olmoe":
+        yield
+        return
+    from .hfdirs import hf_dir, token_file
+
+    shape = dict(hidden_size=a.hidden, intermediate_size=a.hidden, num_attention_heads=a.heads,
+                 num_key_value_heads=a.heads, num_experts=8, num_experts_per_tok=2,
+                 vocab_size=1024, max_position_embeddings=max(512, a.seq_len),
+                 tie_word_embeddings=False, pad_token_id=1, eos_token_id=2)
+    with tempfile.TemporaryDirectory(prefix="l2l-olmoe-") as tmp:
+        hf_dir(os.path.join(tmp, "model"), a.layers, shape, "cpu", "Olmoe", torch.float32)
+        a.data = os.path.join(tmp, "tokens.bin")
+        token_file(a.data, 1024, (a.warmup + a.steps + 1) * 8 * a.micro_batches *
+                   a.micro_batch_size * (a.seq_len + 1))
+        a.model = "hf:" + os.path.join(tmp, "model")
+        try:
+            yield
+        finally:
+            a.model = "olmoe"
 
 
 def l2l_seconds(a, micro_batches: int, extra=()) -> float:
@@ -57,15 +99,20 @@ def l2l_seconds(a, micro_batches: int, extra=()) -> float:
 
 
 def throughput(a) -> dict:
+    with built_model(a):
+        return _throughput(a)
+
+
+def _throughput(a) -> dict:
     torch.set_num_threads(a.threads)
     m, u, b = model_cfg(a), a.micro_batches, a.micro_batch_size
     samples = u * b
     plain = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
                                   warmup=a.warmup, checkpoint=False,
-                                  device=a.device)
+                                  device=a.device, data=data_cfg(a))
     ckpt = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
                                  warmup=a.warmup, checkpoint=True,
-                                 device=a.device)
+                                 device=a.device, data=data_cfg(a))
     l2l, budgets = budget_seconds(a, u)
     full = budgets[-1][2]
     rows = [["resident (plain)", plain, samples / plain, 1.0],
@@ -73,7 +120,7 @@ def throughput(a) -> dict:
             *([f"L2L, activation budget {gib:.3g} GiB ({kept} of {a.layers} blocks kept)",
                t, samples / t, plain / t] for gib, kept, t in budgets)]
     return {
-        "table": table(f"throughput: {a.model} L={a.layers} H={a.hidden} T={a.seq_len} "
+        "table": table(f"throughput: {name(a)} L={a.layers} H={a.hidden} T={a.seq_len} "
                        f"u={u} B={b}", ["config", "s/step", "samples/s", "vs plain"], rows),
         "step_seconds": {"resident": plain, "resident_checkpointed": ckpt, "l2l": l2l,
                          **{f"l2l_keep_{kept}": t for _, kept, t in budgets}},
@@ -84,6 +131,10 @@ def throughput(a) -> dict:
                     check("L2L keeping every block / plain resident", plain / full, ">=", 0.95),
                     check("L2L keeping every block / L2L budget 0", l2l / full, ">=", 1.2)],
     }
+
+
+def name(a) -> str:
+    return "OLMoE (8 experts, 2 per token)" if a.model.startswith("hf:") else a.model
 
 
 def budget_seconds(a, u: int) -> tuple[float, list[tuple[float, int, float]]]:

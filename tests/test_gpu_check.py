@@ -337,11 +337,14 @@ def test_gpu_check_harness_end_to_end_on_cpu(tmp_path):
     ds = "deepspeed" in peers
     for piece, names in (("hfpeers", ["l2l_u2_budget0", "resident", "fsdp2", "fsdp2-noac",
                                       *["deepspeed-offload"] * ds]),  # a Hugging Face Llama
-                         ("hfbig", ["resident", "fsdp2", *["deepspeed"] * ds])):
+                         ("hfbig", ["resident", "fsdp2", *["deepspeed"] * ds]),
+                         ("hfmoe", ["resident", "fsdp2", *["deepspeed-offload"] * ds])):
         systems = pieces[piece]["systems"]
         for name in names:
             assert systems[name]["losses"] == pytest.approx(
                 systems["l2l_u2_auto"]["losses"], rel=1e-5), (piece, name)
+    moe = pieces["hfmoe"]  # OLMoE's: 8 experts, 2 per token, in the tiny shape
+    assert 0 < moe["active_params"] < moe["params"] and "OLMoE" in moe["table"]
     assert {"forward", "backward"} <= set(pieces["mfu"]["time_split"])
     assert pieces["transfer"]["skipped"] == "no CUDA"
     rows = pieces["paper"]["by_seq"]["32"]
