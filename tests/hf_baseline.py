@@ -69,9 +69,14 @@ def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, bat
         for index, b in enumerate(sharder.batches(step, range(micro_batches))):
             state.update(step=step, index=index)
             kw = {"token_type_ids": b.token_types} if b.token_types is not None else {}
-            logits = hf(input_ids=b.inputs, attention_mask=b.mask, **kw).logits
+            out = hf(input_ids=b.inputs, attention_mask=b.mask, **kw)
+            logits = out.logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                    b.targets.reshape(-1), reduction="sum") / b.norm
+            if getattr(out, "aux_loss", None) is not None:  # a MoE's load-balancing loss, by
+                # the micro-batch's share of the batch's loss terms (as its cross-entropy)
+                loss = loss + config.router_aux_loss_coef * out.aux_loss * (
+                    b.targets != -100).sum() / b.norm
             loss.backward()
         opt.step()
     return {k: v.detach().clone() for k, v in hf.state_dict().items()}

@@ -228,6 +228,36 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     for name in source.keys():
         assert torch.equal(out.get(name), source.get(name)), name
 
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
+    """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
+    micro-batch together, padding left out), carried from layer to layer, trains as the
+    library's: L2L equals the library's model trained on its cross-entropy plus
+    router_aux_loss_coef times the aux_loss it returns (each micro-batch's weighted by its
+    share of the batch's loss terms); the loss matters (the routers end elsewhere without it)
+    and is left out of an evaluation's loss. Qwen2-MoE: a dense layer passes the totals on."""
+    over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+    path = fx.model_dir(tmp_path / "model", family, **over)
+    data = data_for(family, tmp_path)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data)
+    want = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
+    assert_close(got, {k: v for k, v in want.items() if k in got})
+    plain = fx.model_dir(tmp_path / "plain", family)  # the same weights, no balancing loss
+    without = train_hf(str(plain), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(without[router], want[router], atol=1e-4)
+
+    model = build_model(cfg)
+    batch = build_task(model, data, micro_batch_size=4, global_micro_batches=2).micro_batch(
+        0, 0, 4, 1.0)
+    assert batch.mask is not None and (batch.mask == 0).any()  # padding left out
+    with torch.no_grad():
+        evaluated = [build_model(ModelConfig(model=f"hf:{p}", seq_len=SEQ)).assemble().eval()(
+            batch, rng=(0, 0, 0))[0] for p in (path, plain)]
+    assert torch.equal(*evaluated)
+
 def test_a_decoder_classifier_pads_with_what_it_pools_by(tmp_path):
     """A causal LM's tokenizer without a padding token (as Llama 3's): the classifier takes its
     end-of-text as padding, the data pads with it, export writes it, and training equals the
@@ -258,9 +288,6 @@ def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         build_model(ModelConfig(model=f"hf:{path}"))
-    moe = fx.model_dir(tmp_path / "moe", "mixtral", output_router_logits=True)
-    with pytest.raises(ValueError, match="output_router_logits: its router's load-balancing"):
-        build_model(ModelConfig(model=f"hf:{moe}"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a Hugging Face config"):

@@ -31,20 +31,23 @@ def job(cluster, workers, path, data, *extra, steps=5, micro_batches=2, server=(
 
 # BERT slow: an encoder classifier runs through the processes as RoBERTa's (which also takes its
 # new head from the bootstrapping worker); every family trains exactly in-process (test_hf.py).
-@pytest.mark.parametrize("family, architecture", [
-    pytest.param("bert", "BertForSequenceClassification", marks=pytest.mark.slow),
-    ("roberta-mlm", "RobertaForSequenceClassification"), ("gpt2", "GPT2LMHeadModel"),
-    ("qwen3_moe", "Qwen3MoeForCausalLM")])
-def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, architecture):
+@pytest.mark.parametrize("family, architecture, over, extra", [
+    pytest.param("bert", "BertForSequenceClassification", {}, (), marks=pytest.mark.slow),
+    ("roberta-mlm", "RobertaForSequenceClassification", {}, ("--classes", "3")),
+    ("gpt2", "GPT2LMHeadModel", {}, ()),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", {"output_router_logits": True}, ("--stash", "eps"))])
+def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, architecture,
+                                                     over, extra):
     """2 workers x 2 micro-batches, 5 steps, dropout 0.1, padded batches: the exported model,
     read back by from_pretrained, equals the library's model trained on all 4 micro-batches
     (1e-5 abs + 1e-4 rel); a masked LM's new classifier comes from the bootstrapping worker, as
-    the baseline's does; a mixture of experts (a dense layer and a MoE one) is written with
-    one tensor per expert and stacked again by the library."""
-    path = fx.model_dir(tmp_path / "model", family)
+    the baseline's does; a mixture of experts (a dense layer and a MoE one) with its
+    load-balancing loss, whose routing totals cross the EPS's stash beside the hidden states,
+    is written with one tensor per expert and stacked again by the library."""
+    path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)
     classes = 3 if family == "roberta-mlm" else 0
-    _, out = job(cluster, 2, path, data, *(("--classes", "3") if classes else ()))
+    _, out = job(cluster, 2, path, data, *extra)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [architecture]
     got = getattr(transformers, architecture).from_pretrained(str(out)).state_dict()

@@ -16,6 +16,7 @@ import importlib
 from dataclasses import dataclass
 
 from . import stages
+from .balance import balance_of
 from .experts import MIXTRAL, QWEN, ExpertNames, sparse_layers
 
 
@@ -155,11 +156,6 @@ def family_of(config, classes: int = 0) -> Family:
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
                          "reorder_and_upcast_attn computes each block differently; not supported")
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(f"a {config.model_type} model with output_router_logits: its router's "
-                         "load-balancing loss (router_aux_loss_coef) averages the routing of all "
-                         "layers together, which this layer-by-layer step does not add; set "
-                         "output_router_logits to false in config.json to train without it")
     if getattr(config, "is_decoder", False) and family in (BERT, ROBERTA):
         raise ValueError(f"a {config.model_type} decoder (is_decoder) is not supported; use an "
                          "encoder checkpoint")
@@ -209,11 +205,17 @@ def make_stage(config, family: Family, kind: str):
     if family is GPT2:
         return {"embed": stages.Gpt2Embed, "block": stages.Gpt2Block,
                 "head": stages.gpt2_head}[kind](config)
+    # a mixture of experts' load-balancing loss (causal LMs that train with it: balance.py)
+    balance = balance_of(config, family is DECODER) if arch.experts else None
     if kind.split("-")[0] in ("block", "sliding"):  # built as the first block of its kind
         kinds = block_kinds(config)
-        return stages.DecoderBlock(config, arch, kinds.index(kind), kind.startswith("sliding"))
-    head = stages.DecoderClassifier if family is DECODER_CLASSIFIER else stages.decoder_head
-    return {"embed": stages.DecoderEmbed, "head": head}[kind](config, arch)
+        return stages.DecoderBlock(config, arch, kinds.index(kind), kind.startswith("sliding"),
+                                   balance)
+    if family is DECODER_CLASSIFIER:
+        return {"embed": stages.DecoderEmbed, "head": stages.DecoderClassifier}[kind](config,
+                                                                                   arch)
+    return {"embed": stages.DecoderEmbed, "head": stages.decoder_head}[kind](config, arch,
+                                                                           balance)
 
 
 def ties(config, family: Family) -> dict:

@@ -21,6 +21,7 @@ from transformers.masking_utils import (
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from ..layers import sum_cross_entropy
+from .balance import RouterLogits
 
 
 def _positions(x: torch.Tensor) -> torch.Tensor:
@@ -123,22 +124,29 @@ class Gpt2Block(nn.Module):
 
 class LmHead(nn.Module):
     """A final norm and the LM head (its weight may be tied to the token embedding); Granite
-    divides the logits by ``divisor``, Gemma 2 soft-caps them at ``softcap``."""
+    divides the logits by ``divisor``, Gemma 2 soft-caps them at ``softcap``; a mixture of
+    experts' ``balance`` adds its load-balancing loss in training (balance.py)."""
 
     def __init__(self, norm: nn.Module, norm_name: str, hidden: int, vocab: int,
-                 divisor: float = 1.0, softcap: float | None = None):
+                 divisor: float = 1.0, softcap: float | None = None, balance=None):
         super().__init__()
         setattr(self, norm_name, norm)
         self.norm_name, self.divisor, self.softcap = norm_name, divisor, softcap
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.balance = balance
 
     def forward(self, x, batch):
+        if self.balance:
+            x, *totals = x
         logits = self.lm_head(getattr(self, self.norm_name)(x))
         if self.divisor != 1.0:
             logits = logits / self.divisor
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return sum_cross_entropy(logits, batch.targets, batch.norm)
+        loss, correct = sum_cross_entropy(logits, batch.targets, batch.norm)
+        if self.balance and self.training:
+            loss = loss + self.balance.loss(totals, batch)
+        return loss, correct
 
 
 def gpt2_head(config) -> LmHead:
@@ -153,7 +161,7 @@ class DecoderEmbed(nn.Module):
     """The token embedding (Gemma's scales by sqrt(hidden) in the weights' dtype; Granite
     multiplies by ``embedding_multiplier``)."""
 
-    def __init__(self, config, arch):
+    def __init__(self, config, arch, balance=None):
         super().__init__()
         args = (config.vocab_size, config.hidden_size, config.pad_token_id)
         if arch.scaled_embedding:
@@ -162,30 +170,43 @@ class DecoderEmbed(nn.Module):
         else:
             self.embed_tokens = nn.Embedding(*args)
         self.multiplier = config.embedding_multiplier if arch.multipliers else 1.0
+        self.balance = balance
 
     def forward(self, x, batch):
         x = self.embed_tokens(batch.inputs)
-        return x * self.multiplier if self.multiplier != 1.0 else x
+        x = x * self.multiplier if self.multiplier != 1.0 else x
+        return self.balance.start(x) if self.balance else x
 
 
 class DecoderBlock(nn.Module):
     """One decoder layer (built as layer ``layer_idx``, which the config may set apart: its
     window, its rotary), its rotary module (buffers only: one per worker) and its mask: full
-    causal, or sliding-window for the layers the config says."""
+    causal, or sliding-window for the layers the config says. With a ``balance`` the boundary
+    also carries the routing totals, to which a MoE layer adds its router's (balance.py)."""
 
-    def __init__(self, config, arch, layer_idx: int, sliding: bool):
+    def __init__(self, config, arch, layer_idx: int, sliding: bool, balance=None):
         super().__init__()
         self.config, self.sliding = config, sliding
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
         self.rotary_emb = arch.cls("RotaryEmbedding")(config)
+        self.balance = balance
+        self.routers = RouterLogits(self.layer) if balance else None
 
     def forward(self, x, batch):
+        if self.balance:
+            x, *totals = x
+            self.routers.take()  # (what an interrupted call left)
         positions = _positions(x)
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
         mask = _causal_mask(make_mask, self.config, x, batch, positions)
         cos_sin = self.rotary_emb(x, positions)
-        return self.layer(x, attention_mask=mask, position_ids=positions,
-                          position_embeddings=cos_sin)
+        out = self.layer(x, attention_mask=mask, position_ids=positions,
+                         position_embeddings=cos_sin)
+        if not self.balance:
+            return out
+        for logits in self.routers.take():
+            totals = self.balance.add(totals, logits, batch.mask)
+        return (out, *totals)
 
 
 class DecoderClassifier(nn.Module):
@@ -209,8 +230,8 @@ class DecoderClassifier(nn.Module):
         return sum_cross_entropy(self.score(pooled), batch.targets, batch.norm)
 
 
-def decoder_head(config, arch) -> LmHead:
+def decoder_head(config, arch, balance=None) -> LmHead:
     norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
     return LmHead(norm, "norm", config.hidden_size, config.vocab_size,
                   config.logits_scaling if arch.multipliers else 1.0,
-                  config.final_logit_softcapping if arch.softcap else None)
+                  config.final_logit_softcapping if arch.softcap else None, balance)
