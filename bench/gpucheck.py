@@ -56,12 +56,13 @@ PIECES = [("transfer", "transfer", [], [], 20, 60),
                                 "--peers", "resident,fsdp2,deepspeed"],
            ["--hf-layers", "beyond", "--hf-us", "4,8", "--hf-budgets", "0,-1",
             "--peers", "resident,fsdp2,fsdp2-noac,deepspeed"], 240, 480),
-          # a mixture of experts (OLMoE's shape, 8 layers: 3.5B, 0.7B active): the host's
-          # update per token is ~5x a dense model's, so a larger u is measured too
-          ("hfmoe", "hfpeers", ["--hf-arch", "olmoe", "--hf-layers", "8", "--hf-us", "4,16",
+          # a mixture of experts (OLMoE's shape, 6 layers: 2.7B, 0.6B active; the resident
+          # model's states and activations fit 80 GB): the host's update per token is ~5x a
+          # dense model's, so a larger u is measured too
+          ("hfmoe", "hfpeers", ["--hf-arch", "olmoe", "--hf-layers", "6", "--hf-us", "4,16",
                                 "--hf-budgets", "-1",
                                 "--peers", "resident,fsdp2,deepspeed-offload"],
-           ["--hf-arch", "olmoe", "--hf-layers", "8", "--hf-us", "4,16", "--hf-budgets", "0,-1",
+           ["--hf-arch", "olmoe", "--hf-layers", "6", "--hf-us", "4,16", "--hf-budgets", "0,-1",
             "--peers", "resident,fsdp2,fsdp2-noac,deepspeed-offload"], 240, 480),
           ("deepspeed", "peers", ["--peers", "deepspeed-offload,deepspeed"],
            ["--peers", "deepspeed-offload,deepspeed"], 120, 300)]

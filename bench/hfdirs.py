@@ -15,15 +15,16 @@ LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
                   tie_word_embeddings=False)
 # OLMoE-1B-7B's shape: 64 experts of 1024, 8 per token (16 layers: 6.9B parameters, 1.3B
-# active per token)
+# active per token), trained with its routers' load-balancing loss (coefficient 0.01)
+BALANCED = dict(output_router_logits=True, router_aux_loss_coef=0.01)
 OLMOE = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16,
              num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
              max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=1,
-             eos_token_id=50279)
+             eos_token_id=50279, **BALANCED)
 OLMOE_TINY = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4,
                   num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, vocab_size=256,
                   max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=1,
-                  eos_token_id=2)
+                  eos_token_id=2, **BALANCED)
 SHAPES = {"llama": ("Llama", TINYLLAMA, LLAMA_TINY), "olmoe": ("Olmoe", OLMOE, OLMOE_TINY)}
 
 

@@ -76,7 +76,14 @@ def resident(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: i
              warmup: int, device: str, precision: str, lr: float = LR,
              weight_decay: float = WEIGHT_DECAY, data: DataConfig | None = None) -> dict:
     dev = torch.device(device)
-    net = build_model(mcfg).assemble().train().to(dev)
+    layered = build_model(mcfg)
+    if precision == "bf16" and getattr(layered, "config", None) is not None and getattr(
+            layered.config, "_experts_implementation", None):
+        # a mixture of experts: the library's grouped matmul casts its input to the weights'
+        # dtype (autocast does not reach it), so with fp32 master weights it would compute
+        # the experts in fp32; its eager experts (a linear each) autocast computes in bf16
+        layered.config._experts_implementation = "eager"
+    net = layered.assemble().train().to(dev)
     opt = torch.optim.AdamW(optimizer_groups(net.named_parameters(), weight_decay), lr=lr,
                             fused=True)
     sharder = Sharder(_task(mcfg, data, batch_size, micro_batches), batch_size, micro_batches)

@@ -86,11 +86,11 @@ def built_model(a):
         a.data = os.path.join(tmp, "tokens.bin")
         token_file(a.data, 1024, (a.warmup + a.steps + 1) * 8 * a.micro_batches *
                    a.micro_batch_size * (a.seq_len + 1))
-        a.model = "hf:" + os.path.join(tmp, "model")
+        a.model, a.built = "hf:" + os.path.join(tmp, "model"), True
         try:
             yield
         finally:
-            a.model = "olmoe"
+            a.model, a.data, a.built = "olmoe", "", False
 
 
 def l2l_seconds(a, micro_batches: int, extra=()) -> float:
@@ -106,6 +106,11 @@ def throughput(a) -> dict:
 def _throughput(a) -> dict:
     torch.set_num_threads(a.threads)
     m, u, b = model_cfg(a), a.micro_batches, a.micro_batch_size
+    if a.model.startswith("hf:"):  # its shape is its config's (the budgets' shares: layers)
+        from worker.models import build_model
+
+        c = build_model(m).config
+        a.layers, a.hidden = c.num_hidden_layers, c.hidden_size
     samples = u * b
     plain = resident_step_seconds(m, micro_batches=u, batch_size=b, steps=a.steps,
                                   warmup=a.warmup, checkpoint=False,
@@ -134,7 +139,7 @@ def _throughput(a) -> dict:
 
 
 def name(a) -> str:
-    return "OLMoE (8 experts, 2 per token)" if a.model.startswith("hf:") else a.model
+    return "OLMoE (8 experts, 2 per token)" if getattr(a, "built", False) else a.model
 
 
 def budget_seconds(a, u: int) -> tuple[float, list[tuple[float, int, float]]]:

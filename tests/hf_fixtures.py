@@ -62,10 +62,12 @@ DECODERS = {
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
         logits_scaling=4.0, tie_word_embeddings=False)),
     # mixtures of experts (the library stacks each layer's experts; checkpoints keep them one
-    # by one): Mixtral with router noise and a window, Qwen2-MoE with a shared expert and a
-    # dense layer, Qwen3-MoE whose first layer is dense (decoder_sparse_step), OLMoE
+    # by one): Mixtral with a window and router noise its only randomness, Qwen2-MoE with a
+    # shared expert and a dense layer, Qwen3-MoE whose first layer is dense
+    # (decoder_sparse_step), OLMoE
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, router_jitter_noise=0.1)),
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, router_jitter_noise=0.1,
+        attention_dropout=0.0)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=48, mlp_only_layers=[1])),

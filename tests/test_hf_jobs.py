@@ -34,7 +34,7 @@ def job(cluster, workers, path, data, *extra, steps=5, micro_batches=2, server=(
 @pytest.mark.parametrize("family, architecture, over, extra", [
     pytest.param("bert", "BertForSequenceClassification", {}, (), marks=pytest.mark.slow),
     ("roberta-mlm", "RobertaForSequenceClassification", {}, ("--classes", "3")),
-    ("gpt2", "GPT2LMHeadModel", {}, ()),
+    ("gpt2", "GPT2LMHeadModel", {}, ()), ("qwen3", "Qwen3ForCausalLM", {}, ()),
     ("qwen3_moe", "Qwen3MoeForCausalLM", {"output_router_logits": True}, ("--stash", "eps"))])
 def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, architecture,
                                                      over, extra):

@@ -96,8 +96,10 @@ class HfModel(LayeredModel):
         if arch.experts:
             c._experts_implementation = (c._experts_implementation
                                          or arch.experts_implementation())
-        self.dropout = max((v for k, v in c.to_dict().items()
-                            if isinstance(v, float) and "drop" in k), default=0.0)
+        # randomness in training (the executor seeds each visit and its recompute alike):
+        # dropout, and Mixtral's router jitter
+        self.dropout = max((v for k, v in c.to_dict().items() if isinstance(v, float) and (
+            "drop" in k or k == "router_jitter_noise")), default=0.0)
         self._kinds = families.block_kinds(c)
         self.lora_modules: set[str] = set()  # names of the linear layers LoRA adapts
         self.lora_fan_in_fan_out = False  # whether they are Conv1D (GPT-2's: weight in x out)

@@ -48,8 +48,9 @@ class Balance:
         routing = torch.softmax(logits, dim=-1)
         _, chosen = torch.topk(routing, self.top_k, dim=-1)
         chosen = chosen.reshape(-1)
-        if mask is None:
-            return (counts + torch.bincount(chosen, minlength=self.experts),
+        if mask is None:  # (a scatter: bincount would wait for the device to size its output)
+            return (counts + torch.zeros_like(counts).scatter_add_(0, chosen,
+                                                                    torch.ones_like(chosen)),
                     probs + routing.float().sum(dim=0), rows + routing.shape[0])
         flat = mask.reshape(-1)
         per_choice = flat.to(torch.long).repeat_interleave(self.top_k)
