@@ -12,10 +12,13 @@ import time
 from .helpers import ENV, free_port
 
 # A box: joins, sums a one across the boxes, says so; box 0 of the last run then stays (as an
-# exiting EPS's does, its store holding the port and the old group's keys) until told.
+# exiting EPS's does, its store holding the port and the old group's keys) until told. It
+# leaves the group as the EPS does on its way out (CrossBox.close): a process that exits with
+# the group's threads alive may abort (SIGABRT, about 1 exit in 15 here).
 BOX = """
 import logging, sys
 import torch, torch.distributed as dist
+from eps_server.boxes import CrossBox
 from eps_server.config import BoxesConfig
 from eps_server.rendezvous import join
 logging.basicConfig(level=logging.INFO)
@@ -26,6 +29,7 @@ dist.all_reduce(t)
 print("joined", t.item(), flush=True)
 if last and rank == 0:
     sys.stdin.readline()
+CrossBox.close()
 """
 
 
