@@ -30,7 +30,8 @@ from .local import local_l2l_step_seconds, resident_step_seconds
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bert",
-                   help="bert, gpt, olmoe (a Hugging Face mixture of experts built here), or "
+                   help="bert, gpt; throughput also: olmoe (a Hugging Face mixture of experts "
+                        "built here), or "
                         "hf:DIR with --data")
     p.add_argument("--data", default="", help="uint32 token ids for --model hf:DIR")
     p.add_argument("--layers", type=int, default=8)

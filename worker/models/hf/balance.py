@@ -26,8 +26,7 @@ from torch import nn
 
 
 class Balance:
-    """The load-balancing loss of a MoE config (None where the config does not train with
-    it, or the model is not a causal LM: the library's classifiers do not add it)."""
+    """The load-balancing loss of a MoE config that trains with it (``balance_of``)."""
 
     def __init__(self, config):
         self.experts = getattr(config, "num_local_experts", None) or config.num_experts
@@ -68,6 +67,8 @@ class Balance:
 
 
 def balance_of(config, lm: bool) -> Balance | None:
+    """The config's load-balancing loss; None where it does not train with one, or the model
+    is not a causal LM (the library's classifiers do not add it)."""
     return Balance(config) if lm and getattr(config, "output_router_logits", False) else None
 
 
