@@ -181,8 +181,7 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
 def test_all_linear_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path):
     """all-linear on Qwen2-MoE adapts what PEFT's all-linear adapts: the attention, the shared
     expert and its gate (Linear layers), not the router nor the stacked experts; 3 AdamW steps
-    through the executor equal PEFT's training from the same adapter, and only the adapters
-    move."""
+    through the executor equal PEFT's training from the same adapter."""
     from peft import PeftModel
 
     path = fx.model_dir(tmp_path / "model", "qwen2_moe")

@@ -38,10 +38,10 @@ class ExpertNames:
         if name.endswith((GATE_UP, DOWN)):
             stacked = GATE_UP if name.endswith(GATE_UP) else DOWN
             prefix = name[:-len(stacked)]
-            parts = [(self.gate, self.up)] if stacked == GATE_UP else [(self.down,)]
+            parts = (self.gate, self.up) if stacked == GATE_UP else (self.down,)
             experts = []
             for e in range(shape[0]):
-                found = [get(self._expert(prefix, e, p)) for p in parts[0]]
+                found = [get(self._expert(prefix, e, p)) for p in parts]
                 if any(t is None for t in found):
                     return None
                 experts.append(torch.cat(found, 0) if len(found) > 1 else found[0])
