@@ -25,12 +25,19 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 CHUNK = 64 << 20  # bytes written at once (with ``digest``: hashed while the next are written)
 
 
+def written_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is written in: ``dtype`` for a floating-point tensor, else its own."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
 def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None, digest: bool = False) -> str | None:
+                      metadata: dict[str, str] | None = None, digest: bool = False,
+                      dtype: torch.dtype | None = None) -> str | None:
     """Write ``tensors`` (name, CPU tensor) to ``path`` atomically (tmp file + rename).
     ``digest``: return the file's sha256, computed from the bytes as they are written, on a
     thread of its own (hashing and the writes release the GIL: they overlap, and the file is
-    not read back); the tensors must not change until it returns."""
+    not read back); the tensors must not change until it returns. ``dtype``: floating-point
+    tensors are written in it (rounded to nearest), one tensor converted at a time."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -38,8 +45,9 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
     for name, t in tensors:
         if name in header:
             raise ValueError(f"duplicate tensor name {name!r}")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+        out = written_dtype(t, dtype)
+        nbytes = t.numel() * out.itemsize
+        header[name] = {"dtype": _ST_DTYPES[out], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -60,7 +68,7 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
         with open(tmp, "wb") as f:
             put(struct.pack("<Q", len(blob)) + blob)
             for _, t in tensors:
-                t = t.detach().cpu().contiguous()
+                t = t.detach().cpu().to(written_dtype(t, dtype)).contiguous()
                 if t.numel():
                     data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                     for i in range(0, len(data), CHUNK):

@@ -197,6 +197,82 @@ def test_every_family_exports_what_it_loaded(tmp_path, family, classes):
 
 
 
+def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeypatch):
+    """A bf16 source (as published models are) trained in fp32: the default export is the fp32
+    master, and its config says so, so that from_pretrained (dtype "auto") loads it unrounded;
+    --save-dtype auto writes the source's bf16. Past --save-max-shard-size the weights are
+    split as save_pretrained splits them (its index's totals, the library loading every tensor),
+    and a later export removes the files it does not overwrite; a failed write leaves the
+    earlier export as it was."""
+    import json
+
+    from protocol.tensors import plan_layout
+    from worker.models.hf import shards
+
+    fp32 = fx.model_dir(tmp_path / "fp32", "llama")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(fp32), dtype=torch.bfloat16)
+    reference.save_pretrained(str(tmp_path / "bf16"))
+    reference.save_pretrained(str(tmp_path / "hf-shards"), max_shard_size="20KB")
+
+    def export(out, **options):
+        model = build_model(ModelConfig(model=f"hf:{tmp_path / 'bf16'}", seq_len=SEQ, **options))
+        gen = torch.Generator().manual_seed(0)
+        trained = {(p.name, n): t.float() + 1e-3 * torch.randn(t.shape, generator=gen)
+                   for p in plan_layout(model.manifest()).layers
+                   for n, t in model.loader().load(p).items()}
+        model.export(str(out), trained, {})
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto")
+        state = loaded.state_dict()
+        assert set(state) == {model.family.hf_name(*k) for k in trained}
+        return {model.family.hf_name(*k): t for k, t in trained.items()}, state, out
+
+    want, got, out = export(tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert any(not torch.equal(v.bfloat16().float(), v) for v in want.values())
+
+    want, got, _ = export(out, save_dtype="auto")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.bfloat16())
+               for k, v in want.items())
+    assert (out / "model.safetensors").stat().st_size < sum(v.numel() for v in want.values()) * 3
+
+    want, got, _ = export(out, save_dtype="bf16", save_max_shard_size="20KB")
+    assert all(torch.equal(got[k], v.bfloat16()) for k, v in want.items())
+    ours = json.loads((out / shards.INDEX).read_text())
+    theirs = json.loads((tmp_path / "hf-shards" / shards.INDEX).read_text())
+    assert ours["metadata"] == theirs["metadata"] and set(ours["weight_map"]) == \
+        set(theirs["weight_map"])
+    files = sorted(f.name for f in out.glob("model*.safetensors"))
+    assert files == sorted(set(ours["weight_map"].values())) and len(files) > 1
+    assert len(files) == len(set(theirs["weight_map"].values()))
+    big = max(v.numel() for v in want.values()) * 2
+    assert all((out / f).stat().st_size <= max(20_000, big) + 2_000 for f in files)
+    assert not (out / "model.safetensors").exists()
+
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    writes = []
+    real = shards.write_safetensors
+
+    def fails_second(path, *a, **k):
+        writes.append(path)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(shards, "write_safetensors", fails_second)
+    with pytest.raises(OSError):
+        export(out, save_max_shard_size="30KB")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    monkeypatch.undo()
+
+    want, got, _ = export(out)  # one file again: the shards and their index go
+    assert sorted(f.name for f in out.glob("model*")) == ["model.safetensors"]
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    with pytest.raises(ValueError, match="save-max-shard-size"):
+        ModelConfig(model=f"hf:{fp32}", save_max_shard_size="lots")
+
+
 @pytest.mark.parametrize("family, kinds", [
     ("mixtral", ["sliding", "sliding"]), ("qwen2_moe", ["block", "block-dense"]),
     ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"])])

@@ -87,7 +87,8 @@ def test_a_resumed_run_continues_at_the_same_data_position(cluster, tmp_path):
 
 def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path, capsys):
     """l2l-export turns an EPS checkpoint into the directory --save writes (one trained with
-    bf16 optimizer moments: export reads the fp32 master only)."""
+    bf16 optimizer moments: export reads the fp32 master only), also rounded to bf16 and split
+    into shards."""
     path = fx.model_dir(tmp_path / "model", "gpt2")
     data = data_for("gpt2", tmp_path)
     saved, _ = job(cluster, 1, path, data, steps=2, server=(
@@ -99,6 +100,12 @@ def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path, ca
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in saved.items())
+    assert export([str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "--model", f"hf:{path}",
+                   "--seq-len", str(SEQ), "--save-dtype", "bf16",
+                   "--save-max-shard-size", "20KB"]) == 0
+    assert len(list((tmp_path / "bf16").glob("model-*-of-*.safetensors"))) > 1
+    state = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).state_dict()
+    assert all(torch.equal(state[k], v.bfloat16()) for k, v in saved.items())
     capsys.readouterr()
     assert export(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"),
                    "--model", "gpt"]) == 1

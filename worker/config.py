@@ -7,6 +7,7 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +16,21 @@ from protocol.endpoints import default_endpoint
 from .faults import Fault, parse_delays
 
 BUILTIN_MODELS = ("bert", "gpt")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def size_bytes(text: str) -> int:
+    """A size as save_pretrained's max_shard_size reads it ("5GB": 5 * 10**9, "2GiB": 2 * 2**30,
+    or bytes), in bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and _UNITS.get(m.group(2).upper())
+    if not unit or float(m.group(1)) * unit < 1:
+        raise ValueError(f"--save-max-shard-size {text!r}: give a size such as 5GB, 500MB or "
+                         "2GiB")
+    return int(float(m.group(1)) * unit)
 
 
 @dataclass(kw_only=True)
@@ -85,6 +101,15 @@ class ModelConfig:
     merge: bool = False
     """With LoRA: --save (and l2l-export) write the whole model with the adapter merged into
     its weights (W + alpha/r B A), not the adapter."""
+    save_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """The dtype --save and l2l-export write the weights in: fp32 (the FP32 master, exact),
+    bf16 or fp16 (rounded to nearest: half the bytes), or auto (an hf: model's source dtype,
+    as save_pretrained writes a model loaded with dtype="auto"; fp32 for the others). An hf:
+    directory's config.json names the dtype, so from_pretrained loads what was written."""
+    save_max_shard_size: str = "50GB"
+    """An hf: model is saved in safetensors files of at most this size, as save_pretrained's
+    max_shard_size splits them (e.g. 5GB, 500MB, 2GiB): model-00001-of-0000N.safetensors ...
+    and model.safetensors.index.json; one model.safetensors when they fit."""
     init_from: str = ""
     """Initial weights from this safetensors file (the assembled model's names, as --save
     writes them), read one layer at a time; empty: random initialisation from --seed."""
@@ -108,6 +133,7 @@ class ModelConfig:
         if (self.lora_rslora or self.lora_dora) and not self.lora_rank:
             raise ValueError("--lora-rslora and --lora-dora shape a LoRA adapter: give "
                              "--lora-rank")
+        size_bytes(self.save_max_shard_size)  # (its error, now)
         # Filled-in values are written back as given (0), so a saved config replayed with
         # another --hidden gets its own ffn (protocol/cli.py to_dict reads as_given).
         self.as_given: dict = {}

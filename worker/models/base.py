@@ -54,6 +54,19 @@ class Batch:
                      move(self.token_types))
 
 
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def save_dtype(cfg, own: torch.dtype | str | None = None) -> torch.dtype:
+    """The dtype --save writes (``cfg.save_dtype``; auto: the model's ``own``, e.g. a Hugging
+    Face source's, where it is one of them, else fp32)."""
+    name = getattr(cfg, "save_dtype", "fp32")
+    if name != "auto":
+        return SAVE_DTYPES[name]
+    own = getattr(torch, own, None) if isinstance(own, str) else own
+    return own if own in SAVE_DTYPES.values() else torch.float32
+
+
 def derive_seed(*parts: int | str) -> int:
     """A 63-bit seed that is a pure function of ``parts`` (seed, purpose, step, layer, ...)."""
     h = hashlib.blake2b(digest_size=8)
@@ -322,7 +335,7 @@ class LayeredModel:
         named = {f"{layer}.{name}": t for (layer, name), t in tensors.items()}
         for (reader, name), (owner, source) in self.ties().items():
             named[f"{reader}.{name}"] = tensors[owner, source]
-        write_safetensors(path, list(named.items()), metadata)
+        write_safetensors(path, list(named.items()), metadata, dtype=save_dtype(self.cfg))
 
     def assemble(self) -> AssembledModel:
         """The whole network as one nn.Module with the initial weights (tied tensors shared)."""

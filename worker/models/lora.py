@@ -195,9 +195,10 @@ class LoraInit:
         return out
 
 
-def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict) -> None:
+def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict,
+                  dtype: torch.dtype | None = None) -> None:
     """PEFT's adapter directory: ``named`` maps the library's tensor names to the adapter's
-    tensors."""
+    tensors (written in ``dtype``)."""
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(
             os.path.join(path, "adapter_config.json")):
         raise ValueError(f"{path} is a non-empty directory that is not an adapter; not "
@@ -207,7 +208,7 @@ def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict) -> No
         json.dump(config, f, indent=2)
     write_safetensors(os.path.join(path, "adapter_model.safetensors"),
                       [(f"base_model.model.{n}", t.contiguous()) for n, t in named.items()],
-                      {"format": "pt"})
+                      {"format": "pt"}, dtype=dtype)
 
 
 def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,

@@ -24,7 +24,7 @@ import torch
 
 from ...config import hf_dir_problem
 from .. import lora
-from ..base import LayeredModel
+from ..base import LayeredModel, save_dtype
 from . import families
 from .checkpoint import HfCheckpoint, export
 
@@ -213,9 +213,13 @@ class HfModel(LayeredModel):
             self._loader.served = served
         return self._loader
 
+    def save_dtype(self) -> torch.dtype:
+        return save_dtype(self.cfg, self.config.dtype)
+
     def export_config(self):
         config = copy.deepcopy(self.config)
         config.architectures = [families.hf_class(self.config, self.family)]
+        config.dtype = self.save_dtype()  # what the files hold: from_pretrained loads that
         return config
 
     def export(self, path: str, tensors: dict, metadata: dict) -> None:
@@ -237,7 +241,7 @@ class HfModel(LayeredModel):
             "target_modules": sorted(self.lora_modules), "bias": "none",
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
             "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": cfg.lora_dora,
-            "modules_to_save": list(self.lora_saved) or None})
+            "modules_to_save": list(self.lora_saved) or None}, self.save_dtype())
 
     def tokenizer(self):
         from transformers import AutoTokenizer

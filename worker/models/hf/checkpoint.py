@@ -10,9 +10,10 @@ library initialises a Linear (matrices normal(0, initializer_range), vectors 0),
 as the library stacks them (experts.py).
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
-of the trained model), ``model.safetensors`` with the library's names (a tied tensor once, under
-its owner's name; experts one by one, as save_pretrained writes them), and the source's
-tokenizer files and generation defaults.
+of the trained model, and the dtype written), the weights as save_pretrained writes them
+(``model.safetensors`` or shards and their index: shards.py) with the library's names (a tied
+tensor once, under its owner's name; experts one by one), and the source's tokenizer files and
+generation defaults.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import shutil
 
 import torch
 
-from protocol.safetensors_io import SafetensorsFile, write_safetensors
+from protocol.safetensors_io import SafetensorsFile
 from protocol.tensors import LayerPlan
 
+from ...config import size_bytes
 from ..base import derive_seed
-from . import families
+from . import families, shards
 
 log = logging.getLogger("l2l_worker")
 
@@ -106,7 +108,7 @@ def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
 
 def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
     """Write ``tensors`` ((layer, tensor) -> value, every layer's own) as a Hugging Face
-    directory at ``path``."""
+    directory at ``path``, in --save-dtype, split at --save-max-shard-size (shards.py)."""
     if os.path.isdir(path) and os.path.samefile(path, model.path):
         raise ValueError(f"{path} is the source directory; export elsewhere")
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(
@@ -114,16 +116,14 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
         raise ValueError(f"{path} is a non-empty directory that is not a model; not writing "
                          "into it")
     os.makedirs(path, exist_ok=True)
-    stale = os.path.join(path, "model.safetensors.index.json")  # shards of an older export
-    if os.path.isfile(stale):
-        os.remove(stale)
     config = model.export_config()
-    config.save_pretrained(path)
     named = [(model.family.hf_name(layer, name), t) for (layer, name), t in tensors.items()]
     experts = families.ARCH[model.config.model_type].experts
     if experts:
         named = [pair for name, t in named for pair in experts.write(name, t)]
-    write_safetensors(os.path.join(path, "model.safetensors"), named, {"format": "pt"})
+    shards.write_weights(path, named, config.dtype, size_bytes(model.cfg.save_max_shard_size),
+                         {"format": "pt"})
+    config.save_pretrained(path)
     for name in SOURCE_FILES:
         src = os.path.join(model.path, name)
         if os.path.isfile(src):

@@ -1,0 +1,86 @@
+"""A Hugging Face model's weights written as ``save_pretrained`` writes them: one
+``model.safetensors`` while they fit in ``max_shard_size``, else ``model-0000K-of-0000N``
+files and ``model.safetensors.index.json`` (the weight map, total size and parameter count).
+Tensors keep the given order (a model's layers in order) and fill a file until the next would
+overflow it; a tensor larger than the limit gets a file of its own.
+
+The directory changes only once every file is written: the files go to temporary names first
+and are renamed together, the index last, and the files of an earlier export that the new one
+does not overwrite are removed; a failed write removes what it wrote and leaves the earlier
+export as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from protocol.safetensors_io import write_safetensors, written_dtype
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * written_dtype(t, dtype).itemsize
+
+
+def split(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+          max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """``named`` in files of at most ``max_bytes`` (each at least one tensor), in order."""
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in named:
+        n = nbytes(t, dtype)
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((name, t))
+        size += n
+    return files
+
+
+def file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+                  max_bytes: int, metadata: dict[str, str]) -> list[str]:
+    """Write ``named`` (the library's names, in order) into the directory ``path``; returns
+    the files' names."""
+    files = split(named, dtype, max_bytes)
+    names = file_names(len(files))
+    partial = [os.path.join(path, f".{n}.partial-{os.getpid()}") for n in names]
+    try:
+        for tensors, tmp in zip(files, partial):
+            write_safetensors(tmp, tensors, metadata, dtype=dtype)
+    except BaseException:
+        for tmp in partial:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+    for tmp, name in zip(partial, names):
+        os.replace(tmp, os.path.join(path, name))
+    index = os.path.join(path, INDEX)
+    if len(names) > 1:
+        weight_map = {n: f for f, tensors in zip(names, files) for n, _ in tensors}
+        total = sum(nbytes(t, dtype) for _, t in named)
+        with open(index + ".tmp", "w") as f:
+            json.dump({"metadata": {"total_parameters": sum(t.numel() for _, t in named),
+                                    "total_size": total},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+            f.write("\n")
+        os.replace(index + ".tmp", index)
+    stale = [f for f in os.listdir(path) if f not in names and (
+        SHARD.fullmatch(f) or f == SINGLE or (f == INDEX and len(names) == 1))]
+    for f in stale:
+        os.remove(os.path.join(path, f))
+    return names
