@@ -3,6 +3,7 @@ PEFT trains them, saved as PEFT saves them (``PeftModel.from_pretrained`` loads 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -204,6 +205,71 @@ def test_all_linear_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path):
     assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
 
 @pytest.mark.parametrize("family, lora", [
+    ("olmoe", {"lora_target_parameters": "gate_up_proj,down_proj"}),
+    ("mixtral", {"lora_target_parameters": "mlp.experts.down_proj", "lora_rslora": True}),
+    ("qwen2_moe", {"lora_target_parameters": "gate_up_proj", "lora_targets": "none"})],
+    ids=["olmoe-both", "mixtral-down-rslora", "qwen2_moe-gate_up-alone"])
+def test_lora_of_the_stacked_experts_trains_and_merges_as_peft(tmp_path, family, lora):
+    """PEFT's target_parameters: every expert of a stack gets its own rank-r adapter (A: r*E x
+    in, B: out x r*E, expert e's rows and columns as PEFT reshapes them; two adapted stacks of a
+    module nest as PEFT nests them). 3 AdamW steps through the executor (with the attention's
+    adapters, but where none are asked for) equal PEFT's training from the same adapter, which
+    PEFT loads; --merge folds each expert's update into its own Linear of the checkpoint, and
+    the merged model computes what PEFT computes with the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = fx.model_dir(tmp_path / "model", family)
+    data = data_for(family, tmp_path)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, **lora)
+    # lr 1e-3: at 1e-2 a few elements of an expert's A, whose gradients of steps 2 and 3
+    # nearly cancel in AdamW's moments, turn float-level differences into 1e-5 (PEFT against
+    # itself with the eager experts: 1e-6); at 1e-3 all are within 5e-8
+    got = {k: v for k, v in train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4,
+                                            data=data, lr=1e-3).items() if ".lora_" in k}
+    init = tmp_path / "init"
+    _initial_adapter(path, init, **lora)
+    config = json.loads((init / "adapter_config.json").read_text())
+    asked = lora["lora_target_parameters"].split(",")
+    assert config["target_parameters"] == sorted(asked)
+    trained = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ,
+                       lr=1e-3, wrap=lambda hf: PeftModel.from_pretrained(hf, str(init),
+                                                                          is_trainable=True))
+    want = {k.replace("base_model.model.", "").replace(".default", ""): v
+            for k, v in trained.items() if ".lora_" in k}
+    assert set(got) == set(want)
+    experts = [k for k in got if ".experts." in k]
+    assert len(experts) == 2 * len(asked) * sum(".experts.lora_A" in k for k in got)
+    assert ("lora_targets" in lora) is not any("self_attn" in k for k in got)
+    assert_close(got, want, atol=1e-5, rtol=1e-4)
+    start = load_file(str(init / "adapter_model.safetensors"))
+    assert not any(torch.equal(v, start[f"base_model.model.{k}"]) for k, v in got.items()
+                   if "lora_B" in k)  # every expert stack's B moved
+
+    model = build_model(cfg)
+    names = {model.family.hf_name(p.name, t.name): (p.name, t.name)
+             for p in plan_layout(model.manifest()).layers for t in p.tensors}
+    tensors = {(p.name, n): v for p in plan_layout(model.manifest()).layers
+               for n, v in model.loader().load(p).items()}
+    tensors.update({names[k]: v for k, v in got.items()})
+    model.export(str(tmp_path / "adapter"), tensors, {})
+    build_model(dataclasses.replace(cfg, merge=True)).export(
+        str(tmp_path / "merged"), tensors, {})
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
+                                        str(tmp_path / "adapter")).eval()
+    loaded = {k.replace("base_model.model.", "").replace(".default", ""): v
+              for k, v in adapted.state_dict().items() if ".lora_" in k}
+    assert all(torch.equal(loaded[k], v) for k, v in got.items())
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(str(path)).eval()(input_ids=ids).logits
+        want = adapted(input_ids=ids).logits
+        assert not torch.allclose(want, plain, atol=1e-4)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, lora", [
     ("llama", {"lora_rslora": True}), ("gpt2", {}), ("llama", {"lora_dora": True}),
     ("gpt2", {"lora_dora": True, "lora_rslora": True})],
     ids=["llama-rslora", "gpt2", "llama-dora", "gpt2-dora-rslora"])
@@ -278,6 +344,24 @@ def test_lora_trains_a_new_classifier_head_whole_unless_told_not_to(tmp_path):
 def test_the_adapters_options_need_an_adapter(option):
     with pytest.raises(ValueError, match="give --lora-rank"):
         ModelConfig(model="hf:x", **{option: True})
+
+
+def test_expert_adapters_are_refused_where_peft_refuses_them(tmp_path):
+    """--lora-target-parameters needs an adapter, takes neither dropout nor DoRA (PEFT's
+    ParamWrapper refuses both), and must match a stack of experts: nothing on a dense model,
+    a 2-D weight (a Linear: --lora-targets) neither."""
+    with pytest.raises(ValueError, match="give --lora-rank"):
+        ModelConfig(model="hf:x", lora_target_parameters="down_proj")
+    for option in ({"lora_dropout": 0.1}, {"lora_dora": True}):
+        with pytest.raises(ValueError, match="PEFT's target_parameters refuses them"):
+            ModelConfig(model="hf:x", lora_rank=4, lora_target_parameters="down_proj", **option)
+    llama = fx.model_dir(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="matches no parameter"):
+        build_model(ModelConfig(model=f"hf:{llama}", lora_rank=4,
+                                lora_target_parameters="gate_up_proj")).manifest()
+    with pytest.raises(ValueError, match="not a stack of experts"):
+        build_model(ModelConfig(model=f"hf:{llama}", lora_rank=4,
+                                lora_target_parameters="down_proj.weight")).manifest()
 
 
 @pytest.mark.parametrize("served", [torch.float32, torch.bfloat16])

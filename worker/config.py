@@ -90,7 +90,12 @@ class ModelConfig:
     module's name, e.g. q_proj,k_proj,v_proj,o_proj), all-linear (GPT-2's Conv1D layers
     included), or auto: PEFT's default where it has one (query,value for BERT and RoBERTa,
     c_attn for GPT-2, q_proj,v_proj for Llama, Mistral, Qwen and Gemma), else qkv_proj for
-    Phi-3 and q_proj,v_proj."""
+    Phi-3 and q_proj,v_proj; none: no linear layer (with --lora-target-parameters)."""
+    lora_target_parameters: str = ""
+    """With LoRA: a mixture of experts' stacked expert weights that get adapters too, as PEFT's
+    target_parameters (parameter names, or their last parts: gate_up_proj,down_proj adapts
+    every expert's projections; one rank-r adapter per expert). As in PEFT, not with
+    --lora-dropout or --lora-dora."""
     lora_modules_to_save: str = "auto"
     """With LoRA: modules trained whole beside the adapters, as PEFT's modules_to_save (a module
     whose name ends with one of them, e.g. classifier, or embed_tokens,lm_head where they are
@@ -130,6 +135,11 @@ class ModelConfig:
             raise ValueError("--lora-rank needs a Hugging Face model (--model hf:DIR)")
         if self.merge and not self.lora_rank:
             raise ValueError("--merge merges a LoRA adapter: give --lora-rank")
+        if self.lora_target_parameters.strip() and not self.lora_rank:
+            raise ValueError("--lora-target-parameters adapts parameters: give --lora-rank")
+        if self.lora_target_parameters.strip() and (self.lora_dropout or self.lora_dora):
+            raise ValueError("--lora-target-parameters does not go with --lora-dropout or "
+                             "--lora-dora (PEFT's target_parameters refuses them too)")
         if (self.lora_rslora or self.lora_dora) and not self.lora_rank:
             raise ValueError("--lora-rslora and --lora-dora shape a LoRA adapter: give "
                              "--lora-rank")

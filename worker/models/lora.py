@@ -13,6 +13,13 @@ served copy only, and a master and optimizer state for the adapter and for the m
 whole (PEFT's ``modules_to_save``: a sequence classifier's head, by default, as PEFT's
 SEQ_CLS task does).
 
+A mixture of experts' stacked expert weights (``experts.gate_up_proj``, E x out x in) take
+adapters as PEFT's ``target_parameters`` gives them (``apply_parameters``): ``lora_A`` (r*E x
+in) and ``lora_B`` (out x r*E), expert e's update ``B_e A_e`` with ``A_e`` rows e*r..e*r+r-1
+of A and ``B_e`` the columns e, E+e, ... of B, as PEFT reshapes them; where two parameters of
+one module are adapted, the first one's adapter sits under ``base_layer.`` (PEFT nests its
+wrappers in the parameters' order).
+
 ``adapter_files`` writes what ``PeftModel.from_pretrained(base, DIR)`` loads
 (``adapter_config.json``, ``adapter_model.safetensors``: PEFT's names), ``merged`` folds the
 adapter into the base weights (``W + s * B @ A``) for a plain model.
@@ -107,15 +114,21 @@ def scaling(alpha: float, rank: int, rslora: bool = False) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
+def names(spec: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in spec.split(",") if t.strip())
+
+
 def targets(spec: str, model_type: str = "") -> tuple[str, ...] | None:
     """``--lora-targets``: module names (the last part of a qualified name), None for every
     linear layer of the blocks ("all-linear"), or "auto": PEFT's default for ``model_type``."""
     spec = spec.strip()
     if spec == "all-linear":
         return None
+    if spec == "none":
+        return ()
     if spec == "auto":
         spec = AUTO_TARGETS.get(model_type, "q_proj,v_proj")
-    return tuple(t.strip() for t in spec.split(",") if t.strip())
+    return names(spec)
 
 
 def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
@@ -139,6 +152,88 @@ def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
             lin.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out, **kw))
         lin.__class__ = _lora_conv1d(conv1d) if transposed else LoraLinear
     return kinds
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int,
+                 transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low-rank factors (lhs, rhs) of a stacked parameter's update, lhs @ rhs per expert,
+    from its adapter's A (r*E x in) and B (out x r*E), as PEFT's ParamWrapper reshapes them:
+    an (E, out, in) stack's update is B_e A_e; a transposed (E, in, out) one's A_e^T B_e^T."""
+    rhs = a.reshape(experts, -1, a.shape[-1])  # E x r x in
+    lhs = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # E x out x r
+    return (rhs.transpose(-2, -1), lhs.transpose(-2, -1)) if transposed else (lhs, rhs)
+
+
+class _LoraExperts:
+    """Mixed into an experts module whose stacked parameters have adapters: reading such a
+    parameter gives W + s * lhs @ rhs (one baddbmm in W's dtype, as PEFT folds it), computed
+    once per forward (the library's eager experts read a stack once per expert)."""
+
+    def _adapted(self, name: str) -> torch.Tensor:
+        cache = self.__dict__.get("_lora_cache")
+        if cache is not None and name in cache:
+            return cache[name]
+        w = self._parameters[name]
+        holder = self.get_submodule(self._lora_holders[name])
+        lhs, rhs = expert_delta(holder.lora_A.weight, holder.lora_B.weight, w.shape[0],
+                                getattr(self, "is_transposed", False))
+        with torch.autocast(device_type=w.device.type, enabled=False):
+            out = torch.baddbmm(w, lhs.to(w.dtype), rhs.to(w.dtype), alpha=self.scaling)
+        if cache is not None:
+            cache[name] = out
+        return out
+
+    def forward(self, *args, **kwargs):
+        self._lora_cache = {}
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._lora_cache = None
+
+
+@functools.cache
+def _lora_experts(base: type, params: tuple[str, ...]) -> type:
+    props = {p: property(functools.partial(lambda self, p: self._adapted(p), p=p))
+             for p in params}
+    return type(f"Lora{base.__name__}", (_LoraExperts, base), props)
+
+
+def apply_parameters(module: nn.Module, rank: int, scale: float,
+                     spec: str) -> dict[str, tuple[str, bool]]:
+    """Add LoRA to the stacked (3-D) parameters of ``module`` (one stage) whose qualified name
+    is, or ends with ".", one of ``spec``'s (PEFT's ``target_parameters`` rule): their
+    adapters' module names, each with the parameter it adapts and whether the stack is
+    transposed (E x in x out)."""
+    want, out = names(spec), {}
+    for owner_name, owner in list(module.named_modules()):
+        prefix = owner_name + "." if owner_name else ""
+        params = [(n, p) for n, p in owner.named_parameters(recurse=False)
+                  if any(prefix + n == w or (prefix + n).endswith("." + w) for w in want)]
+        if not params:
+            continue
+        flat = [prefix + n for n, p in params if p.dim() != 3]
+        if flat:
+            raise ValueError(f"--lora-target-parameters matches {flat[0]}, which is not a "
+                             "stack of experts (3-D); adapt linear layers with --lora-targets")
+        transposed = bool(getattr(owner, "is_transposed", False))
+        owner._lora_holders = {}
+        for depth, (name, p) in enumerate(reversed(params)):  # the last one outermost
+            holder = owner
+            for _ in range(depth):
+                if not hasattr(holder, "base_layer"):
+                    holder.base_layer = nn.Module()
+                holder = holder.base_layer
+            experts, d1, d2 = p.shape
+            fan_in, fan_out = (d1, d2) if transposed else (d2, d1)
+            kw = {"device": p.device, "dtype": p.dtype}
+            holder.lora_A = nn.Linear(fan_in, rank * experts, bias=False, **kw)
+            holder.lora_B = nn.Linear(rank * experts, fan_out, bias=False, **kw)
+            path = ".".join(["base_layer"] * depth)
+            owner._lora_holders[name] = path
+            out[".".join(x for x in (owner_name, path) if x)] = (prefix + name, transposed)
+        owner.scaling = scale
+        owner.__class__ = _lora_experts(type(owner), tuple(n for n, _ in params))
+    return out
 
 
 def modules_to_save(spec: str, classifies: bool) -> tuple[str, ...]:
@@ -212,7 +307,7 @@ def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict,
 
 
 def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
-           fan_in_fan_out: bool = False) -> dict:
+           fan_in_fan_out: bool = False, stacked: dict | None = None) -> dict:
     """The base weights with each adapter folded in (W + s * B @ A; with DoRA's magnitude m,
     m / ||W + s B A||_row * (W + s B A); a ``Conv1D``'s weight, ``fan_in_fan_out``, is
     transposed to that and back), the adapter left out."""
@@ -220,6 +315,12 @@ def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
     for (layer, name), a in tensors.items():
         if name.endswith(".lora_A.weight"):
             prefix = adapted(name)
+            if prefix in (stacked or {}):  # an expert stack's (apply_parameters)
+                param, transposed = stacked[prefix]
+                lhs, rhs = expert_delta(a, tensors[layer, prefix + ".lora_B.weight"],
+                                        out[layer, param].shape[0], transposed)
+                out[layer, param] = torch.baddbmm(out[layer, param], lhs, rhs, alpha=scaling)
+                continue
             w = out[layer, prefix + ".weight"]
             w = (w.T if fan_in_fan_out else w) + scaling * (
                 tensors[layer, prefix + ".lora_B.weight"] @ a)

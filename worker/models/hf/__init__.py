@@ -103,6 +103,7 @@ class HfModel(LayeredModel):
         self._kinds = families.block_kinds(c)
         self.lora_modules: set[str] = set()  # names of the linear layers LoRA adapts
         self.lora_fan_in_fan_out = False  # whether they are Conv1D (GPT-2's: weight in x out)
+        self.lora_stacked: dict = {}  # adapted expert stacks: adapter -> (parameter, transposed)
 
     def _labels(self, classes: int) -> None:
         """A sequence classifier's checkpoint decides its labels (--classes may only agree); a
@@ -142,11 +143,14 @@ class HfModel(LayeredModel):
             found = lora.apply(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_targets,
                 cfg.lora_dropout, self.config.model_type, cfg.lora_dora)
-            if not found:
+            stacked = lora.apply_parameters(module, cfg.lora_rank, lora.scaling(
+                cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_target_parameters)
+            if not found and not cfg.lora_target_parameters.strip():
                 raise ValueError(f"--lora-targets {cfg.lora_targets} matches no linear layer "
                                  f"of a {self.config.model_type} block")
             self.lora_modules |= found.keys()
             self.lora_fan_in_fan_out |= any(found.values())
+            self.lora_stacked.update(stacked)
         return module
 
     def lora_trains(self):
@@ -159,6 +163,10 @@ class HfModel(LayeredModel):
         manifest = super().manifest()
         if not self.cfg.lora_rank:
             return manifest
+        if self.cfg.lora_target_parameters.strip() and not self.lora_stacked:
+            raise ValueError(f"--lora-target-parameters {self.cfg.lora_target_parameters} "
+                             f"matches no parameter of a {self.config.model_type} block (e.g. "
+                             "gate_up_proj,down_proj: a mixture of experts' stacked experts)")
         given = self.cfg.lora_modules_to_save.strip()
         names = [self.family.hf_name(*(t.tie or (la.name, t.name)))
                  for la in manifest.layers for t in la.tensors]  # (a tie: its owner)
@@ -230,7 +238,7 @@ class HfModel(LayeredModel):
         if cfg.merge:
             return export(self, path, lora.merged(
                 tensors, lora.scaling(cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora),
-                self.lora_fan_in_fan_out))
+                self.lora_fan_in_fan_out, self.lora_stacked))
         trains = self.lora_trains()
         named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}
@@ -241,7 +249,9 @@ class HfModel(LayeredModel):
             "target_modules": sorted(self.lora_modules), "bias": "none",
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
             "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": cfg.lora_dora,
-            "modules_to_save": list(self.lora_saved) or None}, self.save_dtype())
+            "modules_to_save": list(self.lora_saved) or None,
+            **({"target_parameters": sorted(lora.names(cfg.lora_target_parameters))}
+               if self.lora_stacked else {})}, self.save_dtype())
 
     def tokenizer(self):
         from transformers import AutoTokenizer
