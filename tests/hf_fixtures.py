@@ -76,6 +76,20 @@ DECODERS = {
         decoder_sparse_step=2, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2)),
+    # DeepSeek-V3: latent attention (MLA), its first layer dense, shared and routed experts
+    # chosen within groups, a routing bias in the checkpoint (e_score_correction_bias)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4,  # as its checkpoints have (the library pads GQA wrongly for MLA)
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, moe_intermediate_size=24, first_k_dense_replace=1, pad_token_id=0,
+        bos_token_id=2, eos_token_id=3)),
+    # GLM-4.5: partial rotary, q/k norms, attention biases, DeepSeek-V3's routing
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, moe_intermediate_size=24, first_k_dense_replace=1,
+        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, pad_token_id=0,
+        eos_token_id=3)),
 }
 ENCODERS = ("bert", "bert-base", "bert-mlm", "roberta", "roberta-mlm", "xlm-roberta")
 
@@ -145,11 +159,14 @@ def model_dir(path: Path, family: str, seed: int = 0, biases: bool = False, **ov
         cfg = getattr(tf, config_class)(**{**common, **own, **over})
         model = getattr(tf, model_class)(cfg)
         tokenizer(path, "lm")
-    if biases:
-        with torch.no_grad():
+    with torch.no_grad():
+        if biases:
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():  # a routing bias (the library starts it at 0)
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
     return path
 

@@ -275,14 +275,16 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
 
 @pytest.mark.parametrize("family, kinds", [
     ("mixtral", ["sliding", "sliding"]), ("qwen2_moe", ["block", "block-dense"]),
-    ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"])])
+    ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"]),
+    ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
     the down projections) where a checkpoint keeps one Linear per expert (Mixtral's under
     other names): every loaded tensor equals from_pretrained's, and export writes the
-    checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's dense layers are a
-    block kind of their own."""
+    checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek-V3's and
+    GLM-4.5's dense layers are a block kind of their own; the latter two's routing bias (a
+    buffer in the library, a tensor in the checkpoint) is read and written, and frozen."""
     from protocol.safetensors_io import SafetensorsFile
     from protocol.tensors import plan_layout
 
@@ -297,6 +299,10 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
         kinds.count("block") + kinds.count("sliding")
     for name, t in named.items():
         assert torch.equal(state[name], t), name
+    frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
+              if t.group == "frozen"}
+    assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith("e_score_correction_bias")}
+    assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe"))
     model.export(str(tmp_path / "out"), loaded, {})
     source = SafetensorsFile(str(path / "model.safetensors"))
     out = SafetensorsFile(str(tmp_path / "out" / "model.safetensors"))

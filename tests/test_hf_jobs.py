@@ -35,7 +35,8 @@ def job(cluster, workers, path, data, *extra, steps=5, micro_batches=2, server=(
     pytest.param("bert", "BertForSequenceClassification", {}, (), marks=pytest.mark.slow),
     ("roberta-mlm", "RobertaForSequenceClassification", {}, ("--classes", "3")),
     ("gpt2", "GPT2LMHeadModel", {}, ()), ("qwen3", "Qwen3ForCausalLM", {}, ()),
-    ("qwen3_moe", "Qwen3MoeForCausalLM", {"output_router_logits": True}, ("--stash", "eps"))])
+    ("qwen3_moe", "Qwen3MoeForCausalLM", {"output_router_logits": True}, ("--stash", "eps")),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", {}, ())])
 def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, architecture,
                                                      over, extra):
     """2 workers x 2 micro-batches, 5 steps, dropout 0.1, padded batches: the exported model,
@@ -43,7 +44,8 @@ def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, 
     (1e-5 abs + 1e-4 rel); a masked LM's new classifier comes from the bootstrapping worker, as
     the baseline's does; a mixture of experts (a dense layer and a MoE one) with its
     load-balancing loss, whose routing totals cross the EPS's stash beside the hidden states,
-    is written with one tensor per expert and stacked again by the library."""
+    is written with one tensor per expert and stacked again by the library; DeepSeek-V3's
+    routing bias is served as a frozen tensor and written back unchanged."""
     path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)
     classes = 3 if family == "roberta-mlm" else 0

@@ -7,10 +7,11 @@ model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM 
 token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3,
 Phi-3, OLMo-2, SmolLM3, Gemma, Gemma 2 and Granite: grouped-query attention, sliding-window and
 no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits; and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), these but Granite and OLMoE
-(the library has no classifier for them) also as sequence classifiers (a
-``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's). The stages call
-the library's own modules (stages.py); the EPS never sees any of this, only the manifest.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and GLM-4.5), these
+but Granite, OLMoE and GLM-4.5 (the library has no classifier for them) also as sequence
+classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's).
+The stages call the library's own modules (stages.py); the EPS never sees any of this, only
+the manifest.
 """
 
 from __future__ import annotations

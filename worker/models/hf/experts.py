@@ -73,8 +73,12 @@ QWEN = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 
 def sparse_layers(config) -> list[bool]:
     """Which layers are MoE: Qwen-MoE's dense layers are those ``mlp_only_layers`` lists and
-    those ``decoder_sparse_step`` skips (the library's rule); the others' layers all are."""
+    those ``decoder_sparse_step`` skips, DeepSeek-V3's and GLM-4.5's the first
+    ``first_k_dense_replace`` (the library's rules); the others' layers all are."""
     n = config.num_hidden_layers
+    first = getattr(config, "first_k_dense_replace", None)
+    if first is not None:
+        return [i >= first for i in range(n)]
     only = getattr(config, "mlp_only_layers", None)
     if only is None:
         return [True] * n

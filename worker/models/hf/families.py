@@ -92,6 +92,8 @@ ARCH = {
     "qwen2_moe": Arch("Qwen2Moe", "qwen2_moe", sliding="layer_types", experts=QWEN),
     "qwen3_moe": Arch("Qwen3Moe", "qwen3_moe", sliding="all", experts=QWEN),
     "olmoe": Arch("Olmoe", "olmoe", experts=QWEN),
+    "deepseek_v3": Arch("DeepseekV3", "deepseek_v3", experts=QWEN),
+    "glm4_moe": Arch("Glm4Moe", "glm4_moe", experts=QWEN),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -116,7 +118,8 @@ GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
               ())  # its LM head is the token embedding
 
 DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
-                  "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+                  "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
+                  "glm4_moe"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

@@ -178,6 +178,17 @@ class DecoderEmbed(nn.Module):
         return self.balance.start(x) if self.balance else x
 
 
+def checkpoint_buffers(module: nn.Module) -> None:
+    """A layer's persistent buffers (in the checkpoint, never trained: DeepSeek-V3's and
+    GLM-4.5's router ``e_score_correction_bias``) as parameters that do not require grad, so
+    they are served with the layer's weights and frozen (base.py's manifest)."""
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                del sub._buffers[name]
+                sub.register_parameter(name, nn.Parameter(buf, requires_grad=False))
+
+
 class DecoderBlock(nn.Module):
     """One decoder layer (built as layer ``layer_idx``, which the config may set apart: its
     window, its rotary), its rotary module (buffers only: one per worker) and its mask: full
@@ -188,6 +199,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.config, self.sliding = config, sliding
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
+        checkpoint_buffers(self.layer)
         self.rotary_emb = arch.cls("RotaryEmbedding")(config)
         self.balance = balance
         self.routers = RouterLogits(self.layer) if balance else None
