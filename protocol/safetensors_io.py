@@ -92,7 +92,9 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
 
 _FROM_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
             "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
-            "BOOL": torch.bool}
+            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+if hasattr(torch, "float8_e8m0fnu"):  # (block scales of FP8 checkpoints)
+    _FROM_ST["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 class SafetensorsFile:

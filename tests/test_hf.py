@@ -311,6 +311,80 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
         assert torch.equal(out.get(name), source.get(name)), name
 
 
+def _fp8_checkpoint(src, dst, block: tuple[int, int]):
+    """``src``'s projections quantized as DeepSeek-V3's published checkpoint is: float8 e4m3
+    with one fp32 scale per block (``<name>_scale_inv``), the rest as it was."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            out[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        padded = torch.zeros(rows * block[0], cols * block[1])
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.view(rows, block[0], cols, block[1]).abs().amax((1, 3))
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        out[name] = (w / full[:w.shape[0], :w.shape[1]]).to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale
+    save_file(out, str(dst / "model.safetensors"), {"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_fine_grained_fp8_checkpoint_is_read_dequantized(tmp_path):
+    """DeepSeek-V3 as published (FP8 weights, a scale per 128 x 128 block; here 4 x 4): every
+    weight reads as the library dequantizes it on the CPU (fp32, float(q) * scale), an edge
+    block smaller where the grid rounds up; export writes full precision with no
+    quantization_config (from_pretrained loads it as a plain model); another quantization is
+    refused at once."""
+    import json
+
+    from protocol.tensors import plan_layout
+    from worker.models.hf import fp8
+
+    src = fx.model_dir(tmp_path / "model", "deepseek_v3")
+    stored = _fp8_checkpoint(src, tmp_path / "fp8", (4, 4))
+    model = build_model(ModelConfig(model=f"hf:{tmp_path / 'fp8'}", seq_len=SEQ))
+    loaded = {model.family.hf_name(p.name, n): (p.name, n, t)
+              for p in plan_layout(model.manifest()).layers
+              for n, t in model.loader().load(p).items()}
+    state = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "fp8"), dtype=torch.float32).state_dict()
+    assert set(state) == set(loaded)
+    for name, (_, _, t) in loaded.items():
+        assert t.dtype == torch.float32 and torch.equal(state[name], t), name
+    assert sum(k.endswith("_scale_inv") for k in stored) > 10
+
+    ragged = torch.randn(6, 10).to(torch.float8_e4m3fn)  # blocks of 4 x 4: 2 x 3, edges cut
+    scale = torch.rand(2, 3) + 0.5
+    want = torch.tensor([[float(ragged[i, j]) * float(scale[i // 4, j // 4])
+                          for j in range(10)] for i in range(6)])
+    assert torch.equal(fp8.dequantize(ragged, scale, (4, 4)), want)
+    with pytest.raises(ValueError, match="one per 4 x 4 block"):
+        fp8.dequantize(ragged, scale[:1], (4, 4))
+
+    model.export(str(tmp_path / "out"), {(la, n): t for la, n, t in loaded.values()}, {})
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
+
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="only fine-grained FP8"):
+        build_model(ModelConfig(model=f"hf:{tmp_path / 'out'}"))
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a

@@ -26,7 +26,7 @@ import torch
 from ...config import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
-from . import families
+from . import families, fp8
 from .checkpoint import HfCheckpoint, export
 
 log = logging.getLogger("l2l_worker")
@@ -58,6 +58,7 @@ class HfModel(LayeredModel):
         super().__init__(cfg)
         self.path = cfg.model[len(PREFIX):]
         self.config = load_config(self.path)
+        fp8.check(self.config)  # (another quantization is refused before any process starts)
         self.family = families.family_of(self.config, cfg.classes)
         self.objective = self.family.objective
         c = self.config
@@ -229,6 +230,8 @@ class HfModel(LayeredModel):
         config = copy.deepcopy(self.config)
         config.architectures = [families.hf_class(self.config, self.family)]
         config.dtype = self.save_dtype()  # what the files hold: from_pretrained loads that
+        if hasattr(config, "quantization_config"):  # (an FP8 source: written dequantized)
+            del config.quantization_config
         return config
 
     def export(self, path: str, tensors: dict, metadata: dict) -> None:

@@ -7,7 +7,7 @@ the base model alone (e.g. ``BertModel`` for a sequence classifier) names its te
 the base prefix; tensors it lacks (a new classifier, BERT's pooler) are initialised as the
 library initialises a Linear (matrices normal(0, initializer_range), vectors 0), seeded by
 (seed, layer), and listed in a warning. A mixture of experts' per-expert tensors are stacked
-as the library stacks them (experts.py).
+as the library stacks them (experts.py); fine-grained FP8 weights are dequantized (fp8.py).
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model, and the dtype written), the weights as save_pretrained writes them
@@ -30,7 +30,7 @@ from protocol.tensors import LayerPlan
 
 from ...config import size_bytes
 from ..base import derive_seed
-from . import families, shards
+from . import families, fp8, shards
 
 log = logging.getLogger("l2l_worker")
 
@@ -59,6 +59,7 @@ class HfCheckpoint:
                              "(only safetensors checkpoints are read)")
         self._open: dict[str, object] = {}
         self.experts = families.ARCH[model.config.model_type].experts
+        self.fp8_block = fp8.check(model.config)
 
     def _get(self, name: str) -> torch.Tensor | None:
         base = self.model.family.base_prefix
@@ -69,11 +70,20 @@ class HfCheckpoint:
                   if "LayerNorm" in n and n.endswith(e)]
         for key in names:
             if key in self.files:
-                path = self.files[key]
-                if path not in self._open:
-                    self._open[path] = SafetensorsFile(path)
-                return self._open[path].get(key)
+                t = self._tensor(key)
+                if t.dtype in fp8.FP8 and self.fp8_block:
+                    scale = key + "_scale_inv"
+                    if scale not in self.files:
+                        raise ValueError(f"{self.path}: {key} is FP8 with no {scale}")
+                    t = fp8.dequantize(t, self._tensor(scale), self.fp8_block)
+                return t
         return None
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        path = self.files[key]
+        if path not in self._open:
+            self._open[path] = SafetensorsFile(path)
+        return self._open[path].get(key)
 
     def load(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         out, fresh = {}, []
