@@ -1,5 +1,5 @@
-"""Fine-grained FP8 checkpoints (``quantization_config.quant_method: "fp8"``, as DeepSeek-V3,
-Kimi K2 and the Qwen3 FP8 models are published): each quantized weight is float8 (e4m3)
+"""Fine-grained FP8 checkpoints (``quantization_config.quant_method: "fp8"``, as DeepSeek-V3 and
+R1 and the Qwen3 FP8 models are published): each quantized weight is float8 (e4m3)
 beside ``<name>_scale_inv``, one fp32 scale per ``weight_block_size`` block (128 x 128; the
 grid rounds up, so an edge block is smaller). The weights are dequantized as they are read,
 ``w = float(q) * scale`` in fp32 (the library's dequantization), and trained and saved in full
