@@ -90,6 +90,14 @@ DECODERS = {
         topk_group=1, moe_intermediate_size=24, first_k_dense_replace=1,
         partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, pad_token_id=0,
         eos_token_id=3)),
+    # gpt-oss: attention sinks, alternate layers slide, YaRN rotary, experts stacked in the
+    # checkpoint too (transposed, gate and up interleaved, with biases), a router with a bias
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+        sliding_window=4, pad_token_id=0, eos_token_id=3,
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 32,
+                         "truncate": False, "rope_theta": 150000.0})),
 }
 ENCODERS = ("bert", "bert-base", "bert-mlm", "roberta", "roberta-mlm", "xlm-roberta")
 

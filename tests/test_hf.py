@@ -276,7 +276,8 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
 @pytest.mark.parametrize("family, kinds", [
     ("mixtral", ["sliding", "sliding"]), ("qwen2_moe", ["block", "block-dense"]),
     ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"]),
-    ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"])])
+    ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"]),
+    ("gpt_oss", ["sliding", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -284,7 +285,8 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     other names): every loaded tensor equals from_pretrained's, and export writes the
     checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek-V3's and
     GLM-4.5's dense layers are a block kind of their own; the latter two's routing bias (a
-    buffer in the library, a tensor in the checkpoint) is read and written, and frozen."""
+    buffer in the library, a tensor in the checkpoint) is read and written, and frozen.
+    gpt-oss's checkpoints keep the stacks (with biases) as the library does."""
     from protocol.safetensors_io import SafetensorsFile
     from protocol.tensors import plan_layout
 
@@ -295,8 +297,8 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
               for n, t in model.loader().load(p).items()}
     state = transformers.AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
     named = {model.family.hf_name(*k): t for k, t in loaded.items()}
-    assert set(state) == set(named) and sum("experts.gate_up_proj" in k for k in named) == \
-        kinds.count("block") + kinds.count("sliding")
+    assert set(state) == set(named) and sum(k.endswith("experts.gate_up_proj") for k in named) \
+        == kinds.count("block") + kinds.count("sliding")
     for name, t in named.items():
         assert torch.equal(state[name], t), name
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
@@ -350,7 +352,7 @@ def test_a_fine_grained_fp8_checkpoint_is_read_dequantized(tmp_path):
     import json
 
     from protocol.tensors import plan_layout
-    from worker.models.hf import fp8
+    from worker.models.hf import quantized
 
     src = fx.model_dir(tmp_path / "model", "deepseek_v3")
     stored = _fp8_checkpoint(src, tmp_path / "fp8", (4, 4))
@@ -369,9 +371,9 @@ def test_a_fine_grained_fp8_checkpoint_is_read_dequantized(tmp_path):
     scale = torch.rand(2, 3) + 0.5
     want = torch.tensor([[float(ragged[i, j]) * float(scale[i // 4, j // 4])
                           for j in range(10)] for i in range(6)])
-    assert torch.equal(fp8.dequantize(ragged, scale, (4, 4)), want)
+    assert torch.equal(quantized.dequantize(ragged, scale, (4, 4)), want)
     with pytest.raises(ValueError, match="one per 4 x 4 block"):
-        fp8.dequantize(ragged, scale[:1], (4, 4))
+        quantized.dequantize(ragged, scale[:1], (4, 4))
 
     model.export(str(tmp_path / "out"), {(la, n): t for la, n, t in loaded.values()}, {})
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -381,18 +383,74 @@ def test_a_fine_grained_fp8_checkpoint_is_read_dequantized(tmp_path):
 
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "out" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="only fine-grained FP8"):
+    with pytest.raises(ValueError, match="only fine-grained FP8 and MXFP4"):
         build_model(ModelConfig(model=f"hf:{tmp_path / 'out'}"))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_an_mxfp4_checkpoint_is_read_dequantized(tmp_path):
+    """gpt-oss as published: each expert stack as MXFP4 (``_blocks``: two e2m1 values a byte,
+    ``_scales``: a power of two per 32 values, out x in): every tensor reads as the library
+    dequantizes it on the CPU; export writes the stacks in full precision."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from protocol.tensors import plan_layout
+    from worker.models.hf import quantized
+
+    src = fx.model_dir(tmp_path / "model", "gpt_oss", intermediate_size=32)
+    lut = torch.tensor(quantized.E2M1[:8])
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = w
+            continue
+        groups = w.transpose(1, 2).unflatten(-1, (-1, 32))  # experts x out x in/32 x 32
+        exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
+        scaled = groups / torch.exp2(exp).unsqueeze(-1)
+        code = (scaled.abs().unsqueeze(-1) - lut).abs().argmin(-1) + 8 * (scaled < 0)
+        out[name + "_blocks"] = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+        out[name + "_scales"] = (exp + 127).to(torch.uint8)
+    (tmp_path / "mxfp4").mkdir()
+    save_file(out, str(tmp_path / "mxfp4" / "model.safetensors"), {"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+
+    model = build_model(ModelConfig(model=f"hf:{tmp_path / 'mxfp4'}", seq_len=SEQ))
+    loaded = {model.family.hf_name(p.name, n): (p.name, n, t)
+              for p in plan_layout(model.manifest()).layers
+              for n, t in model.loader().load(p).items()}
+    state = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "mxfp4"), dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).state_dict()
+    assert set(state) == set(loaded)
+    stacks = [k for k in loaded if k.endswith("_proj")]
+    assert len(stacks) == 4
+    for name, (_, _, t) in loaded.items():
+        assert t.dtype == torch.float32 and torch.equal(state[name], t), name
+    original = load_file(str(src / "model.safetensors"))
+    for name in stacks:  # (4-bit: near the original, not equal)
+        assert (loaded[name][2] - original[name]).abs().max() < 0.3 * original[name].abs().max()
+    model.export(str(tmp_path / "out"), {(la, n): t for la, n, t in loaded.values()}, {})
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
     micro-batch together, padding left out), carried from layer to layer, trains as the
     library's: L2L equals the library's model trained on its cross-entropy plus
     router_aux_loss_coef times the aux_loss it returns (each micro-batch's weighted by its
     share of the batch's loss terms); the loss matters (the routers end elsewhere without it)
-    and is left out of an evaluation's loss. Qwen2-MoE: a dense layer passes the totals on."""
+    and is left out of an evaluation's loss. Qwen2-MoE: a dense layer passes the totals on;
+    gpt-oss: its router has a bias."""
     over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
     path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)
@@ -402,7 +460,7 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     assert_close(got, {k: v for k, v in want.items() if k in got})
     plain = fx.model_dir(tmp_path / "plain", family)  # the same weights, no balancing loss
     without = train_hf(str(plain), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
-    router = "model.layers.0.mlp.gate.weight"
+    router = "model.layers.0.mlp." + ("router" if family == "gpt_oss" else "gate") + ".weight"
     assert not torch.allclose(without[router], want[router], atol=1e-4)
 
     model = build_model(cfg)

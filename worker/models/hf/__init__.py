@@ -7,7 +7,7 @@ model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM 
 token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3,
 Phi-3, OLMo-2, SmolLM3, Gemma, Gemma 2 and Granite: grouped-query attention, sliding-window and
 no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits; and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and GLM-4.5), these
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GLM-4.5 and gpt-oss), these
 but Granite, OLMoE and GLM-4.5 (the library has no classifier for them) also as sequence
 classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's).
 The stages call the library's own modules (stages.py); the EPS never sees any of this, only
@@ -26,7 +26,7 @@ import torch
 from ...config import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
-from . import families, fp8
+from . import families, quantized
 from .checkpoint import HfCheckpoint, export
 
 log = logging.getLogger("l2l_worker")
@@ -58,7 +58,7 @@ class HfModel(LayeredModel):
         super().__init__(cfg)
         self.path = cfg.model[len(PREFIX):]
         self.config = load_config(self.path)
-        fp8.check(self.config)  # (another quantization is refused before any process starts)
+        quantized.method(self.config)  # (another quantization is refused before any process)
         self.family = families.family_of(self.config, cfg.classes)
         self.objective = self.family.objective
         c = self.config
@@ -230,7 +230,7 @@ class HfModel(LayeredModel):
         config = copy.deepcopy(self.config)
         config.architectures = [families.hf_class(self.config, self.family)]
         config.dtype = self.save_dtype()  # what the files hold: from_pretrained loads that
-        if hasattr(config, "quantization_config"):  # (an FP8 source: written dequantized)
+        if hasattr(config, "quantization_config"):  # (a quantized source: written dequantized)
             del config.quantization_config
         return config
 

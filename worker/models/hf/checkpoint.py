@@ -7,7 +7,7 @@ the base model alone (e.g. ``BertModel`` for a sequence classifier) names its te
 the base prefix; tensors it lacks (a new classifier, BERT's pooler) are initialised as the
 library initialises a Linear (matrices normal(0, initializer_range), vectors 0), seeded by
 (seed, layer), and listed in a warning. A mixture of experts' per-expert tensors are stacked
-as the library stacks them (experts.py); fine-grained FP8 weights are dequantized (fp8.py).
+as the library stacks them (experts.py); FP8 and MXFP4 weights are dequantized (quantized.py).
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model, and the dtype written), the weights as save_pretrained writes them
@@ -30,7 +30,7 @@ from protocol.tensors import LayerPlan
 
 from ...config import size_bytes
 from ..base import derive_seed
-from . import families, fp8, shards
+from . import families, quantized, shards
 
 log = logging.getLogger("l2l_worker")
 
@@ -59,7 +59,9 @@ class HfCheckpoint:
                              "(only safetensors checkpoints are read)")
         self._open: dict[str, object] = {}
         self.experts = families.ARCH[model.config.model_type].experts
-        self.fp8_block = fp8.check(model.config)
+        quant = quantized.method(model.config)
+        self.fp8_block = quantized.fp8_block(model.config) if quant == "fp8" else None
+        self.mxfp4 = quant == "mxfp4"
 
     def _get(self, name: str) -> torch.Tensor | None:
         base = self.model.family.base_prefix
@@ -71,12 +73,15 @@ class HfCheckpoint:
         for key in names:
             if key in self.files:
                 t = self._tensor(key)
-                if t.dtype in fp8.FP8 and self.fp8_block:
+                if t.dtype in quantized.FP8 and self.fp8_block:
                     scale = key + "_scale_inv"
                     if scale not in self.files:
                         raise ValueError(f"{self.path}: {key} is FP8 with no {scale}")
-                    t = fp8.dequantize(t, self._tensor(scale), self.fp8_block)
+                    t = quantized.dequantize(t, self._tensor(scale), self.fp8_block)
                 return t
+            if self.mxfp4 and key + "_blocks" in self.files and key + "_scales" in self.files:
+                return quantized.mxfp4(self._tensor(key + "_blocks"),
+                                       self._tensor(key + "_scales"))
         return None
 
     def _tensor(self, key: str) -> torch.Tensor:

@@ -8,7 +8,8 @@ The library keeps a MoE layer's experts as two stacked tensors, ``mlp.experts.ga
 ``block_sparse_moe.gate``), Qwen-MoE's and OLMoE's ``mlp.experts.E.gate_proj/up_proj/down_proj``.
 This is the library's conversion mapping (transformers/conversion_mapping.py) for these types,
 applied as it loads and reversed as it saves; a checkpoint already in the stacked form is read
-as it is.
+as it is. gpt-oss's checkpoints keep the library's stacks (``STACKED``: experts x hidden x
+2*intermediate, gate and up interleaved, with biases), read and written as they are.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    per_expert: bool = True  # False: checkpoints keep the library's stacks (gpt-oss)
 
     def _expert(self, prefix: str, e: int, proj: str) -> str:
         return f"{prefix}{self.module}.experts.{e}.{proj}.weight"
@@ -35,6 +37,8 @@ class ExpertNames:
              ) -> torch.Tensor | None:
         """The library's tensor ``name`` (``shape``) from a checkpoint's per-expert tensors
         (``get``: a checkpoint tensor by name, None if absent); None if it has none."""
+        if not self.per_expert:
+            return None
         if name.endswith((GATE_UP, DOWN)):
             stacked = GATE_UP if name.endswith(GATE_UP) else DOWN
             prefix = name[:-len(stacked)]
@@ -53,6 +57,8 @@ class ExpertNames:
     def write(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors for the library's tensor ``name`` (as save_pretrained
         writes them)."""
+        if not self.per_expert:
+            return [(name, t)]
         if name.endswith(GATE_UP):
             prefix, half = name[:-len(GATE_UP)], t.shape[1] // 2
             return [pair for e in range(t.shape[0]) for pair in (
@@ -69,6 +75,7 @@ class ExpertNames:
 
 MIXTRAL = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+STACKED = ExpertNames("mlp", "", "", "", per_expert=False)
 
 
 def sparse_layers(config) -> list[bool]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import stages
 from .balance import balance_of
-from .experts import MIXTRAL, QWEN, ExpertNames, sparse_layers
+from .experts import MIXTRAL, QWEN, STACKED, ExpertNames, sparse_layers
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ ARCH = {
     "olmoe": Arch("Olmoe", "olmoe", experts=QWEN),
     "deepseek_v3": Arch("DeepseekV3", "deepseek_v3", experts=QWEN),
     "glm4_moe": Arch("Glm4Moe", "glm4_moe", experts=QWEN),
+    "gpt_oss": Arch("GptOss", "gpt_oss", sliding="layer_types", experts=STACKED),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -119,7 +120,7 @@ GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
 
 DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
                   "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
-                  "glm4_moe"),
+                  "glm4_moe", "gpt_oss"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
