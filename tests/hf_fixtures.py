@@ -98,6 +98,27 @@ DECODERS = {
         rope_parameters={"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "original_max_position_embeddings": 32,
                          "truncate": False, "rope_theta": 150000.0})),
+    # MiniMax-M2: Mixtral's checkpoint names, a routing bias beside them
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=24, first_k_dense_replace=1)),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=24, first_k_dense_replace=1)),
+    # a rotary per layer type: OLMo 3 (the sliding layers' own), Gemma 3 (local and global)
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(sliding_window=4, pad_token_id=0)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=8)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(head_dim=8, sliding_window=4)),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(head_dim=8)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=8)),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=8)),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(head_dim=8)),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(head_dim=8)),
 }
 ENCODERS = ("bert", "bert-base", "bert-mlm", "roberta", "roberta-mlm", "xlm-roberta")
 

@@ -170,7 +170,7 @@ def test_export_loads_with_from_pretrained(tmp_path):
 
 @pytest.mark.parametrize("family, classes", [
     ("roberta-mlm", 3), ("xlm-roberta", 0), ("smollm3", 0), ("gemma", 0), ("granite", 0),
-    ("qwen3-cls", 0), ("llama", 3)])
+    ("qwen3-cls", 0), ("llama", 3), ("gemma3_text", 3)])
 def test_every_family_exports_what_it_loaded(tmp_path, family, classes):
     """Export of the initial weights (a masked LM's or a causal LM's as a classifier with its
     new head) names every tensor as the library does: from_pretrained of the class the config
@@ -277,15 +277,17 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("mixtral", ["sliding", "sliding"]), ("qwen2_moe", ["block", "block-dense"]),
     ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"]),
     ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"]),
-    ("gpt_oss", ["sliding", "block"])])
+    ("gpt_oss", ["sliding", "block"]), ("minimax_m2", ["block", "block"]),
+    ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
     the down projections) where a checkpoint keeps one Linear per expert (Mixtral's under
     other names): every loaded tensor equals from_pretrained's, and export writes the
-    checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek-V3's and
-    GLM-4.5's dense layers are a block kind of their own; the latter two's routing bias (a
-    buffer in the library, a tensor in the checkpoint) is read and written, and frozen.
+    checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek's,
+    GLM-4.5's and dots.llm1's dense layers are a block kind of their own; a routing bias
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1: a buffer in the library, a tensor in the
+    checkpoint) is read and written, and frozen.
     gpt-oss's checkpoints keep the stacks (with biases) as the library does."""
     from protocol.safetensors_io import SafetensorsFile
     from protocol.tensors import plan_layout
@@ -304,7 +306,7 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
               if t.group == "frozen"}
     assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith("e_score_correction_bias")}
-    assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe"))
+    assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1"))
     model.export(str(tmp_path / "out"), loaded, {})
     source = SafetensorsFile(str(path / "model.safetensors"))
     out = SafetensorsFile(str(tmp_path / "out" / "model.safetensors"))

@@ -40,8 +40,9 @@ class ModelConfig:
     model: str = "bert"
     """bert (post-LN encoder classifier), gpt (pre-LN causal decoder LM), hf:PATH (a local
     Hugging Face directory: BERT/RoBERTa/XLM-RoBERTa classifiers, GPT-2, Llama, Mistral,
-    Qwen2/3, Phi-3, OLMo-2, SmolLM3, Gemma 1/2, Granite, and the mixtures of experts
-    Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GLM-4.5, gpt-oss: causal LMs, or
+    Qwen2/3, Phi-3, OLMo 2/3, SmolLM3, Gemma 1/2/3, Granite, Ministral 3, EXAONE 4, Seed-OSS,
+    Hunyuan, Helium, Apertus, Arcee, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE,
+    OLMoE, DeepSeek-V2/V3, GLM-4.5, gpt-oss, MiniMax-M2, dots.llm1: causal LMs, or
     classifiers; FP8 and MXFP4 checkpoints read dequantized),
     or package.module:Class,
     a worker.models.LayeredModel of your own built from this config."""

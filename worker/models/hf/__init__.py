@@ -4,11 +4,11 @@ directory; nothing is downloaded).
 Supported (families.py): BERT, RoBERTa and XLM-RoBERTa as sequence classifiers (a
 ``...ForSequenceClassification`` checkpoint, or any other of the type, e.g. a masked-LM or base
 model, with a new head of ``--classes`` labels), GPT-2 (``GPT2LMHeadModel``, LM head tied to the
-token embedding) and Llama-style decoders (``...ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3,
-Phi-3, OLMo-2, SmolLM3, Gemma, Gemma 2 and Granite: grouped-query attention, sliding-window and
-no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits; and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GLM-4.5 and gpt-oss), these
-but Granite, OLMoE and GLM-4.5 (the library has no classifier for them) also as sequence
+token embedding) and Llama-style decoders (``...ForCausalLM`` of the types ``families.ARCH``
+lists, Llama, Qwen, Gemma and the others: grouped-query and latent attention, sliding-window
+and no-rotary layers, tied embeddings, scaled embeddings, scaled or soft-capped logits; and the
+mixtures of experts, Mixtral, Qwen-MoE, DeepSeek, gpt-oss and the others), these
+but those the library has no classifier for (Granite, OLMoE, ...) also as sequence
 classifiers (a ``...ForSequenceClassification`` checkpoint, or ``--classes`` on a causal LM's).
 The stages call the library's own modules (stages.py); the EPS never sees any of this, only
 the manifest.

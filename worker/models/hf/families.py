@@ -52,6 +52,8 @@ class Arch:
     nope_layers: bool = False  # SmolLM3: the layers no_rope_layers marks 0 use no rotary
     softcap: bool = False  # Gemma 2: logits = tanh(logits / cap) * cap (final_logit_softcapping)
     experts: ExpertNames | None = None  # a mixture of experts: its checkpoint names (experts.py)
+    rotary_by_type: bool = False  # OLMo 3, Gemma 3: a rotary per layer type (local, global)
+    classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -95,6 +97,19 @@ ARCH = {
     "deepseek_v3": Arch("DeepseekV3", "deepseek_v3", experts=QWEN),
     "glm4_moe": Arch("Glm4Moe", "glm4_moe", experts=QWEN),
     "gpt_oss": Arch("GptOss", "gpt_oss", sliding="layer_types", experts=STACKED),
+    "minimax_m2": Arch("MiniMaxM2", "minimax_m2", experts=MIXTRAL),
+    "deepseek_v2": Arch("DeepseekV2", "deepseek_v2", experts=QWEN),
+    "dots1": Arch("Dots1", "dots1", experts=QWEN),
+    "olmo3": Arch("Olmo3", "olmo3", sliding="layer_types", rotary_by_type=True),
+    "gemma3_text": Arch("Gemma3", "gemma3", sliding="layer_types", scaled_embedding=True,
+                        rotary_by_type=True, classifier="TextForSequenceClassification"),
+    "ministral3": Arch("Ministral3", "ministral3", sliding="all"),
+    "exaone4": Arch("Exaone4", "exaone4", sliding="layer_types"),
+    "seed_oss": Arch("SeedOss", "seed_oss"),
+    "hunyuan_v1_dense": Arch("HunYuanDenseV1", "hunyuan_v1_dense"),
+    "helium": Arch("Helium", "helium"),
+    "apertus": Arch("Apertus", "apertus"),
+    "arcee": Arch("Arcee", "arcee"),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -120,7 +135,9 @@ GPT2 = Family(("gpt2",), "LMHeadModel", "lm", "transformer.", {
 
 DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "gemma",
                   "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
-                  "glm4_moe", "gpt_oss"),
+                  "glm4_moe", "gpt_oss", "minimax_m2", "deepseek_v2", "dots1", "olmo3",
+                  "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+                  "helium", "apertus", "arcee"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
@@ -149,7 +166,8 @@ def family_of(config, classes: int = 0) -> Family:
         raise ValueError(f"model type {config.model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")
     if family is DECODER and (classes or classifies(config)):
-        if ARCH[config.model_type].cls("ForSequenceClassification") is None:
+        arch = ARCH[config.model_type]
+        if arch.cls(arch.classifier) is None:
             raise ValueError(f"transformers has no sequence classifier for "
                              f"{config.model_type}: a model trained so could not be loaded")
         family = DECODER_CLASSIFIER
@@ -167,7 +185,8 @@ def family_of(config, classes: int = 0) -> Family:
 
 
 def hf_class(config, family: Family) -> str:
-    return ARCH[config.model_type].prefix + family.hf_class
+    arch = ARCH[config.model_type]
+    return arch.prefix + (arch.classifier if family is DECODER_CLASSIFIER else family.hf_class)
 
 
 def max_positions(config) -> int | None:

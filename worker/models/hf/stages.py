@@ -201,6 +201,8 @@ class DecoderBlock(nn.Module):
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
         checkpoint_buffers(self.layer)
         self.rotary_emb = arch.cls("RotaryEmbedding")(config)
+        # (OLMo 3, Gemma 3: the rotary of the layer's type, local or global)
+        self.rotary_args = (config.layer_types[layer_idx],) if arch.rotary_by_type else ()
         self.balance = balance
         self.routers = RouterLogits(self.layer) if balance else None
 
@@ -211,7 +213,7 @@ class DecoderBlock(nn.Module):
         positions = _positions(x)
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
         mask = _causal_mask(make_mask, self.config, x, batch, positions)
-        cos_sin = self.rotary_emb(x, positions)
+        cos_sin = self.rotary_emb(x, positions, *self.rotary_args)
         out = self.layer(x, attention_mask=mask, position_ids=positions,
                          position_embeddings=cos_sin)
         if not self.balance:
