@@ -121,6 +121,19 @@ DECODERS = {
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(head_dim=8)),
 }
 ENCODERS = ("bert", "bert-base", "bert-mlm", "roberta", "roberta-mlm", "xlm-roberta")
+# multimodal models whose language model trains (a tiny vision tower beside it)
+MULTIMODAL = {
+    "gemma3-vlm": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        model_type="gemma3_text", head_dim=8, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"]), dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14), dict(mm_tokens_per_image=4)),
+    "mistral3-vlm": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+        model_type="mistral", head_dim=8, tie_word_embeddings=False), dict(
+        model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
+        dict(tie_word_embeddings=False)),
+}
 
 
 def bpe_tokenizer(path: Path, specials: list[str], eos: str):
@@ -175,6 +188,14 @@ def model_dir(path: Path, family: str, seed: int = 0, biases: bool = False, **ov
         cfg = tf.GPT2Config(**{**dict(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2,
                                       n_positions=64), **over})
         model = tf.GPT2LMHeadModel(cfg)
+        tokenizer(path, "lm")
+    elif family in MULTIMODAL:
+        config_class, model_class, text, vision, own = MULTIMODAL[family]
+        text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                    attention_dropout=0.1, **text)
+        cfg = getattr(tf, config_class)(text_config=text, vision_config=vision, **own, **over)
+        model = getattr(tf, model_class)(cfg)
         tokenizer(path, "lm")
     else:  # "<decoder>-cls": its sequence classifier (3 labels, pooled at the last real token)
         classifier = family.endswith("-cls")

@@ -444,6 +444,69 @@ def test_an_mxfp4_checkpoint_is_read_dequantized(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
 
 
+@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm"])
+def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
+    """Gemma 3 and Mistral 3 (...ForConditionalGeneration): the language model trains on text
+    as the library's text-only causal LM with the same weights trains (dropout 0.1, padding),
+    and export writes the whole multimodal model again (save_pretrained's names, nothing
+    missing or left over): the trained language model, the vision tower and projector as they
+    were; a LoRA adapter of it loads with PEFT, which then adapts no part of the vision tower."""
+    import shutil
+
+    from peft import PeftModel
+
+    from protocol.tensors import plan_layout
+
+    path = fx.model_dir(tmp_path / "model", family)
+    arch = fx.MULTIMODAL[family][1]
+    full = getattr(transformers, arch).from_pretrained(str(path))
+    text_config = full.config.text_config  # tied as the whole model says (the library's rule)
+    text_config.tie_word_embeddings = full.config.tie_word_embeddings
+    text = transformers.AutoModelForCausalLM.from_config(text_config)
+    text.model.load_state_dict(full.model.language_model.state_dict())
+    text.lm_head.load_state_dict(full.lm_head.state_dict())
+    text.save_pretrained(str(tmp_path / "text"))
+    shutil.copy(path / "tokenizer.json", tmp_path / "text")
+    shutil.copy(path / "tokenizer_config.json", tmp_path / "text")
+    data = data_for(family, tmp_path)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data)
+    want = train_hf(str(tmp_path / "text"), data, steps=3, micro_batches=2, batch_size=4,
+                    seq_len=SEQ)
+    assert set(got) == {k for k in want if k in text.state_dict() and k != "lm_head.weight"} \
+        | ({"lm_head.weight"} if "lm_head.weight" in got else set())
+    assert_close(got, {k: want[k] for k in got})
+
+    model = build_model(cfg)
+    names = {model.family.hf_name(p.name, t.name): (p.name, t.name)
+             for p in plan_layout(model.manifest()).layers for t in p.tensors}
+    model.export(str(tmp_path / "out"), {names[k]: v for k, v in got.items()}, {})
+    again, info = getattr(transformers, arch).from_pretrained(str(tmp_path / "out"),
+                                                              output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    state, source = again.state_dict(), full.state_dict()
+    for k, v in got.items():
+        assert torch.equal(state[k.replace("model.", "model.language_model.", 1)], v), k
+    others = [k for k in source if not k.startswith(("model.language_model.", "lm_head."))]
+    assert others and all(torch.equal(state[k], source[k]) for k in others)
+
+    lora = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4))
+    tensors = {(p.name, n): torch.randn_like(v) / 8 if "lora_B" in n else v
+               for p in plan_layout(lora.manifest()).layers
+               for n, v in lora.loader().load(p).items()}
+    lora.export(str(tmp_path / "adapter"), tensors, {})
+    adapted = PeftModel.from_pretrained(getattr(transformers, arch).from_pretrained(str(path)),
+                                        str(tmp_path / "adapter"))
+    adapters = {k for k in adapted.state_dict() if ".lora_" in k}
+    assert adapters and all(".language_model." in k for k in adapters)
+    loaded = adapted.state_dict()
+    for (layer, n), v in tensors.items():
+        if ".lora_" in n:
+            name = lora.wrapper.in_memory(lora.family.hf_name(layer, n))
+            assert torch.equal(loaded[f"base_model.model.{name}".replace(
+                ".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")], v)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a

@@ -43,7 +43,8 @@ class ModelConfig:
     Qwen2/3, Phi-3, OLMo 2/3, SmolLM3, Gemma 1/2/3, Granite, Ministral 3, EXAONE 4, Seed-OSS,
     Hunyuan, Helium, Apertus, Arcee, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE,
     OLMoE, DeepSeek-V2/V3, GLM-4.5, gpt-oss, MiniMax-M2, dots.llm1: causal LMs, or
-    classifiers; FP8 and MXFP4 checkpoints read dequantized),
+    classifiers; FP8 and MXFP4 checkpoints read dequantized; the language model of a Gemma 3
+    or Mistral 3 multimodal checkpoint),
     or package.module:Class,
     a worker.models.LayeredModel of your own built from this config."""
     layers: int = 4

@@ -26,7 +26,7 @@ import torch
 from ...config import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
-from . import families, quantized
+from . import families, multimodal, quantized
 from .checkpoint import HfCheckpoint, export
 
 log = logging.getLogger("l2l_worker")
@@ -57,8 +57,14 @@ class HfModel(LayeredModel):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.path = cfg.model[len(PREFIX):]
-        self.config = load_config(self.path)
-        quantized.method(self.config)  # (another quantization is refused before any process)
+        self.source_config = load_config(self.path)
+        quantized.method(self.source_config)  # (another quantization: refused before starting)
+        # a multimodal checkpoint: its language model trains (multimodal.py)
+        self.config, self.wrapper = multimodal.of(self.source_config)
+        if self.wrapper and (cfg.classes or cfg.lora_target_parameters.strip()):
+            raise ValueError(f"{self.path} is a multimodal {self.source_config.model_type}: "
+                             "its language model trains as a causal LM (no --classes, no "
+                             "--lora-target-parameters)")
         self.family = families.family_of(self.config, cfg.classes)
         self.objective = self.family.objective
         c = self.config
@@ -227,8 +233,11 @@ class HfModel(LayeredModel):
         return save_dtype(self.cfg, self.config.dtype)
 
     def export_config(self):
-        config = copy.deepcopy(self.config)
-        config.architectures = [families.hf_class(self.config, self.family)]
+        if self.wrapper:
+            config = self.wrapper.export_config(self.save_dtype())
+        else:
+            config = copy.deepcopy(self.config)
+            config.architectures = [families.hf_class(self.config, self.family)]
         config.dtype = self.save_dtype()  # what the files hold: from_pretrained loads that
         if hasattr(config, "quantization_config"):  # (a quantized source: written dequantized)
             del config.quantization_config
@@ -246,11 +255,15 @@ class HfModel(LayeredModel):
         trains = self.lora_trains()
         named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}
+        targets = sorted(self.lora_modules)
+        if self.wrapper:  # PEFT's names; a pattern, so that PEFT leaves the vision tower be
+            named = {self.wrapper.in_memory(n): t for n, t in named.items()}
+            targets = rf"model\.language_model\..*\.({'|'.join(targets)})"
         lora.adapter_files(path, named, {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if self.objective == "lm" else
             "SEQ_CLS", "base_model_name_or_path": os.path.abspath(self.path),
             "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-            "target_modules": sorted(self.lora_modules), "bias": "none",
+            "target_modules": targets, "bias": "none",
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
             "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": cfg.lora_dora,
             "modules_to_save": list(self.lora_saved) or None,

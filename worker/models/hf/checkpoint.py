@@ -38,7 +38,8 @@ log = logging.getLogger("l2l_worker")
 # model's end-of-turn ids: without them generate() does not stop at the end of a turn).
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
-                "added_tokens.json", "chat_template.jinja", "generation_config.json")
+                "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                "generation_config.json", "preprocessor_config.json", "processor_config.json")
 
 
 class HfCheckpoint:
@@ -59,13 +60,15 @@ class HfCheckpoint:
                              "(only safetensors checkpoints are read)")
         self._open: dict[str, object] = {}
         self.experts = families.ARCH[model.config.model_type].experts
-        quant = quantized.method(model.config)
-        self.fp8_block = quantized.fp8_block(model.config) if quant == "fp8" else None
+        quant = quantized.method(model.source_config)
+        self.fp8_block = quantized.fp8_block(model.source_config) if quant == "fp8" else None
         self.mxfp4 = quant == "mxfp4"
 
     def _get(self, name: str) -> torch.Tensor | None:
-        base = self.model.family.base_prefix
+        base, wrapper = self.model.family.base_prefix, self.model.wrapper
         names = [name, name[len(base):]] if name.startswith(base) else [name]
+        if wrapper:  # (a multimodal checkpoint's language model: multimodal.py)
+            names = wrapper.checkpoint(name)
         # Old BERT checkpoints name LayerNorm parameters gamma/beta (the library renames them).
         legacy = {".weight": ".gamma", ".bias": ".beta"}
         names += [n[:-len(e)] + g for n in list(names) for e, g in legacy.items()
@@ -136,6 +139,10 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
     experts = families.ARCH[model.config.model_type].experts
     if experts:
         named = [pair for name, t in named for pair in experts.write(name, t)]
+    if model.wrapper:  # the language model under its saved names, the rest as the source has it
+        source = HfCheckpoint(model)
+        named = [(model.wrapper.saved(n), t) for n, t in named] + [
+            (k, source._tensor(k)) for k in source.files if not model.wrapper.is_language(k)]
     shards.write_weights(path, named, config.dtype, size_bytes(model.cfg.save_max_shard_size),
                          {"format": "pt"})
     config.save_pretrained(path)

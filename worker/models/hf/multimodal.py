@@ -1,0 +1,66 @@
+"""The language model of a multimodal checkpoint (Gemma 3 from 4B up, Mistral Small 3.1 and
+later: ``...ForConditionalGeneration``), trained on text here as the causal LM its
+``text_config`` describes. The vision tower and the projector are not trained, not served and
+not held: export copies them from the source as they are, beside the trained language model,
+so the result is the whole multimodal model again.
+
+Names: inside this package the language model has its text model's names (``model.layers.0.``,
+``lm_head.``). The library keeps it as ``model.language_model.layers.0.`` (PEFT's adapter
+names follow these), and ``save_pretrained`` writes ``language_model.model.layers.0.`` and
+``language_model.lm_head.`` (the LLaVA layout its conversion mapping reverses on save); a
+checkpoint is read in either form.
+"""
+
+from __future__ import annotations
+
+import copy
+
+TYPES = ("gemma3", "mistral3")
+
+
+def of(config):
+    """``config``'s language model's config and a ``Wrapper``; (config, None) if it is no
+    multimodal model of ``TYPES``."""
+    if config.model_type not in TYPES or getattr(config, "text_config", None) is None:
+        return config, None
+    text = copy.deepcopy(config.text_config)
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    if hasattr(config, "tie_word_embeddings"):  # the whole model's says (as the library ties)
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text, Wrapper(config)
+
+
+class Wrapper:
+    def __init__(self, config):
+        self.config = config
+
+    @staticmethod
+    def checkpoint(name: str) -> list[str]:
+        """Where a checkpoint may hold the language model's tensor ``name``."""
+        if name.startswith("model."):
+            rest = name[len("model."):]
+            return [f"language_model.model.{rest}", f"model.language_model.{rest}"]
+        return [f"language_model.{name}", name]
+
+    @staticmethod
+    def saved(name: str) -> str:
+        """The name save_pretrained writes for the language model's ``name``."""
+        return Wrapper.checkpoint(name)[0]
+
+    @staticmethod
+    def in_memory(name: str) -> str:
+        """The library's (and PEFT's) name for the language model's ``name``."""
+        return Wrapper.checkpoint(name)[1]
+
+    @staticmethod
+    def is_language(checkpoint_name: str) -> bool:
+        return checkpoint_name.startswith(("language_model.", "model.language_model.",
+                                           "lm_head."))
+
+    def export_config(self, dtype):
+        """The whole model's config, as written beside the trained language model."""
+        config = copy.deepcopy(self.config)
+        config.dtype = dtype
+        config.text_config.dtype = dtype
+        return config
