@@ -54,21 +54,31 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int])
     """A quantized (out x in) weight in fp32: each ``block`` of it times its scale."""
     rows, cols = q.shape[-2:]
     s = scales(scale_inv)
-    if s.shape[-2:] != (-(-rows // block[0]), -(-cols // block[1])):
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if s.shape[-2:] != grid:
         raise ValueError(f"a weight of shape {tuple(q.shape)} has block scales of shape "
                          f"{tuple(s.shape)}, not one per {block[0]} x {block[1]} block")
+    w = q.to(torch.float32)
+    if rows % block[0] == 0 and cols % block[1] == 0:  # in place, block by block
+        w.view(*q.shape[:-2], grid[0], block[0], grid[1], block[1]).mul_(
+            s.unsqueeze(-1).unsqueeze(-3))
+        return w
     s = s.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
-    return q.to(torch.float32) * s[..., :cols]
+    return w.mul_(s[..., :cols])
 
 
 def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """An MXFP4 expert stack (experts x out x in/32 x 16 bytes, its exponents experts x out x
-    in/32) in fp32, as the library keeps it: experts x in x out."""
+    in/32) in fp32, as the library keeps it: experts x in x out (a transposed view: its reader
+    copies it once, into the layer's buffer)."""
     if blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks of shape {tuple(blocks.shape)} do not match their "
                          f"scales' {tuple(scales.shape)}")
-    lut = torch.tensor(E2M1, dtype=torch.float32)
-    b = blocks.to(torch.uint8)
-    values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), -1).flatten(-2)
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return values.flatten(-2).transpose(1, 2).contiguous()
+    pairs = _E2M1_PAIRS  # a byte's two values, its low nibble first
+    values = pairs.index_select(0, blocks.reshape(-1).to(torch.int32)).view(*blocks.shape, 2)
+    values = values.flatten(-2).mul_(torch.exp2(scales.to(torch.float32) - 127.0).unsqueeze(-1))
+    return values.flatten(-2).transpose(1, 2)
+
+
+_LUT = torch.tensor(E2M1, dtype=torch.float32)
+_E2M1_PAIRS = torch.stack((_LUT.repeat(16), _LUT.repeat_interleave(16)), -1)
