@@ -490,6 +490,21 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     others = [k for k in source if not k.startswith(("model.language_model.", "lm_head."))]
     assert others and all(torch.equal(state[k], source[k]) for k in others)
 
+    # a checkpoint under the library's own names (model.language_model.*) reads alike
+    from safetensors.torch import save_file
+
+    shutil.copytree(path, tmp_path / "own")
+    save_file({k: v.contiguous() for k, v in source.items()
+               if not (k == "lm_head.weight" and full.config.tie_word_embeddings)},
+              str(tmp_path / "own" / "model.safetensors"))
+    own = build_model(ModelConfig(model=f"hf:{tmp_path / 'own'}", seq_len=SEQ))
+    for p in plan_layout(model.manifest()).layers:
+        a, b = model.loader().load(p), own.loader().load(p)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    own.export(str(tmp_path / "own-out"), {names[k]: v for k, v in got.items()}, {})
+    mixed = getattr(transformers, arch).from_pretrained(str(tmp_path / "own-out")).state_dict()
+    assert all(torch.equal(mixed[k], state[k]) for k in state)
+
     lora = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4))
     tensors = {(p.name, n): torch.randn_like(v) / 8 if "lora_B" in n else v
                for p in plan_layout(lora.manifest()).layers

@@ -74,17 +74,23 @@ class HfCheckpoint:
         names += [n[:-len(e)] + g for n in list(names) for e, g in legacy.items()
                   if "LayerNorm" in n and n.endswith(e)]
         for key in names:
-            if key in self.files:
-                t = self._tensor(key)
-                if t.dtype in quantized.FP8 and self.fp8_block:
-                    scale = key + "_scale_inv"
-                    if scale not in self.files:
-                        raise ValueError(f"{self.path}: {key} is FP8 with no {scale}")
-                    t = quantized.dequantize(t, self._tensor(scale), self.fp8_block)
+            t = self.read(key)
+            if t is not None:
                 return t
-            if self.mxfp4 and key + "_blocks" in self.files and key + "_scales" in self.files:
-                return quantized.mxfp4(self._tensor(key + "_blocks"),
-                                       self._tensor(key + "_scales"))
+        return None
+
+    def read(self, key: str) -> torch.Tensor | None:
+        """The checkpoint's tensor ``key`` (dequantized); None if it has none."""
+        if key in self.files:
+            t = self._tensor(key)
+            if t.dtype in quantized.FP8 and self.fp8_block:
+                scale = key + "_scale_inv"
+                if scale not in self.files:
+                    raise ValueError(f"{self.path}: {key} is FP8 with no {scale}")
+                t = quantized.dequantize(t, self._tensor(scale), self.fp8_block)
+            return t
+        if self.mxfp4 and key + "_blocks" in self.files and key + "_scales" in self.files:
+            return quantized.mxfp4(self._tensor(key + "_blocks"), self._tensor(key + "_scales"))
         return None
 
     def _tensor(self, key: str) -> torch.Tensor:
@@ -139,10 +145,11 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
     experts = families.ARCH[model.config.model_type].experts
     if experts:
         named = [pair for name, t in named for pair in experts.write(name, t)]
-    if model.wrapper:  # the language model under its saved names, the rest as the source has it
-        source = HfCheckpoint(model)
+    if model.wrapper:  # the language model under its saved names, the rest as the source has
+        source = HfCheckpoint(model)  # it (dequantized, as the config will not say quantized)
         named = [(model.wrapper.saved(n), t) for n, t in named] + [
-            (k, source._tensor(k)) for k in source.files if not model.wrapper.is_language(k)]
+            (k, source.read(k)) for k in source.files
+            if not model.wrapper.is_language(k) and not k.endswith("_scale_inv")]
     shards.write_weights(path, named, config.dtype, size_bytes(model.cfg.save_max_shard_size),
                          {"format": "pt"})
     config.save_pretrained(path)
