@@ -45,7 +45,7 @@ def test_two_workers_train_the_library_model_exactly(cluster, tmp_path, family, 
     the baseline's does; a mixture of experts (a dense layer and a MoE one) with its
     load-balancing loss, whose routing totals cross the EPS's stash beside the hidden states,
     is written with one tensor per expert and stacked again by the library; DeepSeek-V3's
-    routing bias is served as a frozen tensor and written back unchanged."""
+    routing bias is served as a frozen tensor and written back (fp32 here)."""
     path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)
     classes = 3 if family == "roberta-mlm" else 0

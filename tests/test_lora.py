@@ -247,6 +247,7 @@ def test_lora_of_the_stacked_experts_trains_and_merges_as_peft(tmp_path, family,
                    if "lora_B" in k)  # every expert stack's B moved
 
     model = build_model(cfg)
+    model.assemble()  # (the resident baselines build it: a stack's attribute is a property)
     names = {model.family.hf_name(p.name, t.name): (p.name, t.name)
              for p in plan_layout(model.manifest()).layers for t in p.tensors}
     tensors = {(p.name, n): v for p in plan_layout(model.manifest()).layers

@@ -356,8 +356,9 @@ class LayeredModel:
             stages[names.index(reader)].get_submodule(sub)._parameters[attr] = shared
         for stage, layer in zip(stages, self.manifest().layers):  # --freeze: no gradient
             for t in layer.tensors:
-                if t.group == "frozen" and t.tie is None:
-                    stage.get_parameter(t.name).requires_grad_(False)
+                if t.group == "frozen" and t.tie is None:  # (_parameters: a LoRA'd expert
+                    sub, _, attr = t.name.rpartition(".")  # stack's attribute is a property)
+                    stage.get_submodule(sub)._parameters[attr].requires_grad_(False)
         return AssembledModel(self, stages)
 
 

@@ -99,7 +99,7 @@ ARCH = {
     "gpt_oss": Arch("GptOss", "gpt_oss", sliding="layer_types", experts=STACKED),
     "minimax_m2": Arch("MiniMaxM2", "minimax_m2", experts=MIXTRAL),
     "deepseek_v2": Arch("DeepseekV2", "deepseek_v2", experts=QWEN),
-    "dots1": Arch("Dots1", "dots1", experts=QWEN),
+    "dots1": Arch("Dots1", "dots1", sliding="layer_types", experts=QWEN),
     "olmo3": Arch("Olmo3", "olmo3", sliding="layer_types", rotary_by_type=True),
     "gemma3_text": Arch("Gemma3", "gemma3", sliding="layer_types", scaled_embedding=True,
                         rotary_by_type=True, classifier="TextForSequenceClassification"),

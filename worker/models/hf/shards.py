@@ -4,10 +4,11 @@ files and ``model.safetensors.index.json`` (the weight map, total size and param
 Tensors keep the given order (a model's layers in order) and fill a file until the next would
 overflow it; a tensor larger than the limit gets a file of its own.
 
-The directory changes only once every file is written: the files go to temporary names first
-and are renamed together, the index last, and the files of an earlier export that the new one
-does not overwrite are removed; a failed write removes what it wrote and leaves the earlier
-export as it was.
+Every weight file and the index are written under temporary names first, then renamed (the
+index last), and the files of an earlier export that the new one does not overwrite are
+removed: a failed write removes what it wrote and leaves the earlier export's weights as they
+were. (The config is written after the weights: an export interrupted between the two leaves
+new weights beside the earlier config.)
 """
 
 from __future__ import annotations
@@ -57,11 +58,20 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
     files = split(named, dtype, max_bytes)
     names = file_names(len(files))
     partial = [os.path.join(path, f".{n}.partial-{os.getpid()}") for n in names]
-    try:
+    index = os.path.join(path, INDEX)
+    index_tmp = f"{index}.partial-{os.getpid()}"
+    try:  # every file, the index too, under a temporary name before any rename
         for tensors, tmp in zip(files, partial):
             write_safetensors(tmp, tensors, metadata, dtype=dtype)
+        if len(names) > 1:
+            weight_map = {n: f for f, tensors in zip(names, files) for n, _ in tensors}
+            with open(index_tmp, "w") as f:
+                json.dump({"metadata": {"total_parameters": sum(t.numel() for _, t in named),
+                                        "total_size": sum(nbytes(t, dtype) for _, t in named)},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+                f.write("\n")
     except BaseException:
-        for tmp in partial:
+        for tmp in [*partial, index_tmp]:
             try:
                 os.unlink(tmp)
             except OSError:
@@ -69,16 +79,8 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
         raise
     for tmp, name in zip(partial, names):
         os.replace(tmp, os.path.join(path, name))
-    index = os.path.join(path, INDEX)
     if len(names) > 1:
-        weight_map = {n: f for f, tensors in zip(names, files) for n, _ in tensors}
-        total = sum(nbytes(t, dtype) for _, t in named)
-        with open(index + ".tmp", "w") as f:
-            json.dump({"metadata": {"total_parameters": sum(t.numel() for _, t in named),
-                                    "total_size": total},
-                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            f.write("\n")
-        os.replace(index + ".tmp", index)
+        os.replace(index_tmp, index)
     stale = [f for f in os.listdir(path) if f not in names and (
         SHARD.fullmatch(f) or f == SINGLE or (f == INDEX and len(names) == 1))]
     for f in stale:
