@@ -58,8 +58,7 @@ SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 
 def save_dtype(cfg, own: torch.dtype | str | None = None) -> torch.dtype:
-    """The dtype --save writes (``cfg.save_dtype``; auto: the model's ``own``, e.g. a Hugging
-    Face source's, where it is one of them, else fp32)."""
+    """The dtype --save writes (``cfg.save_dtype``; auto: ``own``, a source's, else fp32)."""
     name = getattr(cfg, "save_dtype", "fp32")
     if name != "auto":
         return SAVE_DTYPES[name]
