@@ -4,9 +4,9 @@ Regions (all created by the EPS, mode 0600, unlinked by the EPS alone; every nam
 random part, ``-<x>``, so nobody can create one first to make the EPS fail):
   l2l-<run>-master-<x>    fp32 master of every layer's trainable prefix (--freeze, LoRA), in
                           the flat layout of protocol.tensors (--eps-mode shard: this box's
-                          span of each, back to back)
-  l2l-<run>-compute-<x>   the served copy, whole (bf16/fp16; in fp32 only when the master is
-                          not whole: frozen tensors or shards, else the master is served)
+                          span of each, back to back); in fp32 unsharded, every layer whole
+                          (frozen tensors too), served as it is
+  l2l-<run>-compute-<x>   the served copy, whole (bf16/fp16; in fp32 only in shard mode)
   l2l-<run>-grads-r<k>-<dtype>-<x>  rank k's gradient slots, ``grad_slots`` x the largest
                           trainable prefix
   l2l-<run>-stash-r<k>-<x>  rank k's stash arena (``--stash eps``), sized by the worker
@@ -45,18 +45,22 @@ class LayerStore:
         self.layout = plan_layout(manifest)
         self.run_id = run_id
         self.compute_dtype = compute_dtype
-        # The master holds each layer's trainable prefix (--freeze: frozen tensors only in the
+        # In fp32 unsharded, the master is laid out whole and served as it is, frozen tensors
+        # included (the optimizer sees each layer's trainable prefix only). Otherwise the
+        # master holds each layer's trainable prefix (--freeze: frozen tensors only in the
         # served copy) or, --eps-mode shard, this box's span of it (protocol/shards.py), back
-        # to back; the served copy stays whole (then a separate one also in fp32).
+        # to back, and the served copy is whole (in shard mode also in fp32).
         self.sharding = sharding
         self.spans = master_spans(self.layout.layers, sharding)
+        separate = compute_dtype != "float32" or sharding is not None
         self.shard_plans = []
         offset = 0
         for p, (lo, hi) in zip(self.layout.layers, self.spans):
+            offset = offset if separate else p.offset
             whole = (lo, hi) == (0, p.numel) and offset == p.offset
             self.shard_plans.append(p if whole else shard_plan(p, lo, hi, offset))
             offset += hi - lo
-        separate = compute_dtype != "float32" or offset != self.layout.total_numel
+        offset = offset if separate else self.layout.total_numel
         self.versions = [-1] * len(self.layout.layers)
         self._regions: list[Region] = []
         self._grad_regions: dict[int, Region] = {}
@@ -105,7 +109,8 @@ class LayerStore:
 
     @property
     def whole_master(self) -> bool:
-        """The master region is every layer's whole span (no shards, nothing frozen)."""
+        """The master region is every layer's whole span (fp32 unsharded; else no shards and
+        nothing frozen)."""
         return self.compute_region is None or all(
             p is q for p, q in zip(self.shard_plans, self.layout.layers))
 
@@ -118,9 +123,11 @@ class LayerStore:
         """A layer's initial (or loaded) fp32 values, whole: the master's span of them, and
         the served copy."""
         lo, hi = self.spans[layer]
+        if self.compute_region is None:
+            self.compute(layer).copy_(data)  # the master, whole
+            return
         self.master(layer).copy_(data[lo:hi])
-        if self.compute_region is not None:
-            self.compute(layer).copy_(data)
+        self.compute(layer).copy_(data)
 
     @property
     def served_region(self) -> Region:

@@ -13,31 +13,30 @@ import json
 import os
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
-
-
 CHUNK = 64 << 20  # bytes written at once (with ``digest``: hashed while the next are written)
 
 
-def written_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``t`` is written in: ``dtype`` for a floating-point tensor, else its own."""
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+def written_dtype(t: torch.Tensor, dtype: torch.dtype | None, kept: bool = False) -> torch.dtype:
+    """The dtype ``t`` is written in: ``dtype`` for a floating-point tensor not ``kept``, else
+    its own."""
+    return dtype if dtype is not None and t.is_floating_point() and not kept else t.dtype
 
 
 def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
                       metadata: dict[str, str] | None = None, digest: bool = False,
-                      dtype: torch.dtype | None = None) -> str | None:
+                      dtype: torch.dtype | None = None,
+                      keep: Collection[str] = ()) -> str | None:
     """Write ``tensors`` (name, CPU tensor) to ``path`` atomically (tmp file + rename).
     ``digest``: return the file's sha256, computed from the bytes as they are written, on a
     thread of its own (hashing and the writes release the GIL: they overlap, and the file is
     not read back); the tensors must not change until it returns. ``dtype``: floating-point
-    tensors are written in it (rounded to nearest), one tensor converted at a time."""
+    tensors are written in it (rounded to nearest), one tensor converted at a time, but for
+    the names in ``keep`` (written in their own dtype)."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -45,7 +44,7 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
     for name, t in tensors:
         if name in header:
             raise ValueError(f"duplicate tensor name {name!r}")
-        out = written_dtype(t, dtype)
+        out = written_dtype(t, dtype, name in keep)
         nbytes = t.numel() * out.itemsize
         header[name] = {"dtype": _ST_DTYPES[out], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
@@ -67,8 +66,8 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
     try:
         with open(tmp, "wb") as f:
             put(struct.pack("<Q", len(blob)) + blob)
-            for _, t in tensors:
-                t = t.detach().cpu().to(written_dtype(t, dtype)).contiguous()
+            for name, t in tensors:
+                t = t.detach().cpu().to(written_dtype(t, dtype, name in keep)).contiguous()
                 if t.numel():
                     data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                     for i in range(0, len(data), CHUNK):
@@ -95,6 +94,7 @@ _FROM_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 if hasattr(torch, "float8_e8m0fnu"):  # (block scales of FP8 checkpoints)
     _FROM_ST["F8_E8M0"] = torch.float8_e8m0fnu
+_ST_DTYPES = {dtype: name for name, dtype in _FROM_ST.items()}
 
 
 class SafetensorsFile:

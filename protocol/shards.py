@@ -45,8 +45,8 @@ class Sharding:
 
 
 def master_spans(layers, sharding: Sharding | None) -> list[tuple[int, int]]:
-    """[lo, hi) of each layer that the EPS's master holds: its trainable prefix (frozen
-    tensors live in the served copy only) or, sharded, this box's span of it."""
+    """[lo, hi) of each layer that the EPS's master trains: its trainable prefix (frozen
+    tensors are never updated) or, sharded, this box's span of it."""
     return [(0, p.trainable) if sharding is None else sharding.span(p.trainable)
             for p in layers]
 

@@ -1,6 +1,7 @@
 """--freeze: frozen tensors are served and back-propagated through, never pushed or updated;
-the EPS holds only their served copy. Training equals the resident model trained with the same
-parameters frozen (``requires_grad_(False)``)."""
+the EPS holds one copy of them (in fp32 the master, served as it is; else the served copy).
+Training equals the resident model trained with the same parameters frozen
+(``requires_grad_(False)``)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ def test_frozen_tensors_train_as_the_resident_model_with_them_frozen(tmp_path):
     for name in ("pre.tok.weight", "blocks.1.mlp.fc.weight", "blocks.0.attn.qkv.weight"):
         assert (got[name] == start[name]).all(), name
     assert not (got["blocks.0.mlp.fc.weight"] == start["blocks.0.mlp.fc.weight"]).all()
-    # fp32: a served copy of every element (4 B), master and AdamW's m, v (12 B) of the
-    # trained ones only, and each layer's step count (nothing frozen: test_launch.py's GPT)
+    # fp32: one copy of every element, the master served as it is (4 B), AdamW's m, v (8 B)
+    # of the trained ones only, and each layer's step count (nothing frozen: 16 B a param)
     layout = plan_layout(build_model(mcfg).manifest())
     trained = sum(p.trainable for p in layout.layers)
     assert trained < layout.total_numel / 2
-    assert eps["model_bytes"] == 4 * layout.total_numel + 12 * trained + 4 * len(layout.layers)
+    assert eps["model_bytes"] == 4 * layout.total_numel + 8 * trained + 4 * len(layout.layers)
 
 
 def test_a_freeze_pattern_that_matches_nothing_is_refused_at_once(tmp_path):

@@ -197,6 +197,48 @@ def test_every_family_exports_what_it_loaded(tmp_path, family, classes):
 
 
 
+def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
+    """DeepSeek-V3's router weight and routing bias (``_keep_in_fp32_modules_strict``):
+    from_pretrained in bf16 keeps them fp32, and so does save_pretrained; --save-dtype bf16
+    writes every tensor in the dtype save_pretrained writes it, the shard index's total size
+    too, and the bias and router weight unrounded."""
+    import json
+
+    from protocol.safetensors_io import SafetensorsFile
+    from protocol.tensors import plan_layout
+    from worker.models.hf import shards
+
+    path = fx.model_dir(tmp_path / "model", "deepseek_v3", biases=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    hf.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, save_dtype="bf16",
+                                    save_max_shard_size="20KB"))
+    gen = torch.Generator().manual_seed(0)
+    trained = {(p.name, n): t + 1e-3 * torch.randn(t.shape, generator=gen)
+               for p in plan_layout(model.manifest()).layers
+               for n, t in model.loader().load(p).items()}
+    model.export(str(tmp_path / "out"), trained, {})
+
+    def dtypes(root):
+        index = json.loads((root / shards.INDEX).read_text())
+        return index["metadata"]["total_size"], {
+            name: SafetensorsFile(str(root / file)).get(name).dtype
+            for name, file in index["weight_map"].items()}
+
+    size, ours = dtypes(tmp_path / "out")
+    assert (size, ours) == dtypes(tmp_path / "hf")
+    kept = {n for n, d in ours.items() if d == torch.float32}
+    assert kept and all(n.endswith(("gate.weight", "e_score_correction_bias")) for n in kept)
+    assert any(n.endswith("e_score_correction_bias") for n in kept)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                               dtype="auto").state_dict()
+    for (layer, name), t in trained.items():
+        key = model.family.hf_name(layer, name)
+        want = t if key in kept else t.bfloat16()
+        if key in loaded:  # (experts: one tensor each in the files, stacked when loaded)
+            assert torch.equal(loaded[key], want), key
+
+
 def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeypatch):
     """A bf16 source (as published models are) trained in fp32: the default export is the fp32
     master, and its config says so, so that from_pretrained (dtype "auto") loads it unrounded;
@@ -287,7 +329,7 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek's,
     GLM-4.5's and dots.llm1's dense layers are a block kind of their own; a routing bias
     (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1: a buffer in the library, a tensor in the
-    checkpoint) is read and written, and frozen.
+    checkpoint) is read and written, and frozen (--freeze may name it).
     gpt-oss's checkpoints keep the stacks (with biases) as the library does."""
     from protocol.safetensors_io import SafetensorsFile
     from protocol.tensors import plan_layout
@@ -307,6 +349,9 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
               if t.group == "frozen"}
     assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith("e_score_correction_bias")}
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1"))
+    if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
+        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                                freeze="*.e_score_correction_bias")).manifest()
     model.export(str(tmp_path / "out"), loaded, {})
     source = SafetensorsFile(str(path / "model.safetensors"))
     out = SafetensorsFile(str(tmp_path / "out" / "model.safetensors"))

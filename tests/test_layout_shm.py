@@ -180,12 +180,19 @@ def test_streaming_safetensors_reads_back(tmp_path):
 
     base = torch.arange(20, dtype=torch.float32)
     items = [("a", base[:6].view(2, 3)), ("b", base[8:12]), ("s", torch.tensor(3.0)),
-             ("h", torch.ones(3, dtype=torch.bfloat16))]
+             ("h", torch.ones(3, dtype=torch.bfloat16)), ("m", torch.tensor([True, False])),
+             ("q", (base[:4] / 7).to(torch.float8_e4m3fn)), ("d", base[:2].double())]
     write_safetensors(str(tmp_path / "x.safetensors"), items, {"k": "v"})
     got = load_file(str(tmp_path / "x.safetensors"))
     for name, t in items:
-        assert torch.equal(got[name], t)
+        assert got[name].dtype == t.dtype and torch.equal(got[name].float(), t.float())
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+    # in a dtype, but for the names kept in their own
+    write_safetensors(str(tmp_path / "y.safetensors"), items[:3], dtype=torch.bfloat16,
+                      keep={"b"})
+    got = load_file(str(tmp_path / "y.safetensors"))
+    assert [got[n].dtype for n in "abs"] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert torch.equal(got["b"], base[8:12]) and torch.equal(got["a"], items[0][1].bfloat16())
 
 
 def test_the_digest_is_the_files_sha256_taken_as_it_is_written(tmp_path, monkeypatch):

@@ -114,7 +114,8 @@ class ModelConfig:
     """The dtype --save and l2l-export write the weights in: fp32 (the FP32 master, exact),
     bf16 or fp16 (rounded to nearest: half the bytes), or auto (an hf: model's source dtype,
     as save_pretrained writes a model loaded with dtype="auto"; fp32 for the others). An hf:
-    directory's config.json names the dtype, so from_pretrained loads what was written."""
+    directory's config.json names the dtype, so from_pretrained loads what was written; the
+    tensors the library keeps in fp32 in that dtype (a router's) are written in fp32."""
     save_max_shard_size: str = "50GB"
     """An hf: model is saved in safetensors files of at most this size, as save_pretrained's
     max_shard_size splits them (e.g. 5GB, 500MB, 2GiB): model-00001-of-0000N.safetensors ...

@@ -269,9 +269,8 @@ class LayeredModel:
                 module = self.make_stage(kind)
             layers.append(LayerSpec(name=name, kind=kind, tensors=tuple(
                 TensorSpec(name=n, shape=tuple(p.shape), tie=ties.get((name, n)),
-                           group=frozen.group(name, n, ties.get((name, n)),
-                                              param_group(n, p)) if p.requires_grad
-                           else "frozen")  # (a checkpoint's buffer: served, never trained)
+                           group=frozen.group(name, n, ties.get((name, n)), param_group(
+                               n, p) if p.requires_grad else "frozen"))  # (buffer: frozen)
                 for n, p in module.named_parameters())))
         frozen.check(layers)
         return Manifest(layers=tuple(layers), meta=self.meta())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 
 import torch
@@ -130,6 +131,23 @@ def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
     return torch.zeros(shape)
 
 
+def kept_in_fp32(config, names: list[str]) -> set[str]:
+    """The tensors among ``names`` that ``from_pretrained`` in ``config.dtype`` keeps in fp32
+    (the class's ``_keep_in_fp32_modules_strict``, e.g. a router's weight and bias, and with
+    fp16 ``_keep_in_fp32_modules``): save_pretrained then writes them in fp32, and so does
+    the export."""
+    import transformers
+
+    cls = getattr(transformers, (config.architectures or [""])[0], None)
+    modules = set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+    if config.dtype == torch.float16:
+        modules |= set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    if config.dtype not in (torch.float16, torch.bfloat16) or not modules:
+        return set()
+    pattern = re.compile("|".join(re.escape(m).replace(r"\*", ".*") for m in sorted(modules)))
+    return {n for n in names if pattern.search(n)}
+
+
 def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
     """Write ``tensors`` ((layer, tensor) -> value, every layer's own) as a Hugging Face
     directory at ``path``, in --save-dtype, split at --save-max-shard-size (shards.py)."""
@@ -151,7 +169,7 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
             (k, source.read(k)) for k in source.files
             if not model.wrapper.is_language(k) and not k.endswith("_scale_inv")]
     shards.write_weights(path, named, config.dtype, size_bytes(model.cfg.save_max_shard_size),
-                         {"format": "pt"})
+                         {"format": "pt"}, kept_in_fp32(config, [n for n, _ in named]))
     config.save_pretrained(path)
     for name in SOURCE_FILES:
         src = os.path.join(model.path, name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Collection
 
 import torch
 
@@ -26,17 +27,17 @@ INDEX = "model.safetensors.index.json"
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return t.numel() * written_dtype(t, dtype).itemsize
+def nbytes(t: torch.Tensor, dtype: torch.dtype | None, kept: bool = False) -> int:
+    return t.numel() * written_dtype(t, dtype, kept).itemsize
 
 
 def split(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
-          max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+          max_bytes: int, keep: Collection[str] = ()) -> list[list[tuple[str, torch.Tensor]]]:
     """``named`` in files of at most ``max_bytes`` (each at least one tensor), in order."""
     files: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in named:
-        n = nbytes(t, dtype)
+        n = nbytes(t, dtype, name in keep)
         if files[-1] and size + n > max_bytes:
             files.append([])
             size = 0
@@ -52,22 +53,24 @@ def file_names(count: int) -> list[str]:
 
 
 def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
-                  max_bytes: int, metadata: dict[str, str]) -> list[str]:
-    """Write ``named`` (the library's names, in order) into the directory ``path``; returns
-    the files' names."""
-    files = split(named, dtype, max_bytes)
+                  max_bytes: int, metadata: dict[str, str],
+                  keep: Collection[str] = ()) -> list[str]:
+    """Write ``named`` (the library's names, in order) into the directory ``path``, floating
+    point in ``dtype`` but for the names in ``keep``; returns the files' names."""
+    files = split(named, dtype, max_bytes, keep)
     names = file_names(len(files))
     partial = [os.path.join(path, f".{n}.partial-{os.getpid()}") for n in names]
     index = os.path.join(path, INDEX)
     index_tmp = f"{index}.partial-{os.getpid()}"
     try:  # every file, the index too, under a temporary name before any rename
         for tensors, tmp in zip(files, partial):
-            write_safetensors(tmp, tensors, metadata, dtype=dtype)
+            write_safetensors(tmp, tensors, metadata, dtype=dtype, keep=keep)
         if len(names) > 1:
             weight_map = {n: f for f, tensors in zip(names, files) for n, _ in tensors}
             with open(index_tmp, "w") as f:
+                size = sum(nbytes(t, dtype, n in keep) for n, t in named)
                 json.dump({"metadata": {"total_parameters": sum(t.numel() for _, t in named),
-                                        "total_size": sum(nbytes(t, dtype) for _, t in named)},
+                                        "total_size": size},
                            "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
                 f.write("\n")
     except BaseException:
