@@ -30,7 +30,7 @@ import secrets
 import torch
 
 from protocol.messages import RegionInfo
-from protocol.shards import Sharding, master_spans, shard_plan
+from protocol.shards import Sharding, master_spans, serves_master, shard_plan
 from protocol.shm import Region
 from protocol.tensors import DTYPES, LayerPlan, Manifest, plan_layout
 
@@ -52,7 +52,7 @@ class LayerStore:
         # to back, and the served copy is whole (in shard mode also in fp32).
         self.sharding = sharding
         self.spans = master_spans(self.layout.layers, sharding)
-        separate = compute_dtype != "float32" or sharding is not None
+        separate = not serves_master(compute_dtype, sharding)
         self.shard_plans = []
         offset = 0
         for p, (lo, hi) in zip(self.layout.layers, self.spans):

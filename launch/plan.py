@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from protocol.shards import master_spans
+from protocol.shards import master_spans, serves_master
 from protocol.tensors import itemsize, plan_layout
 from worker.models import build_model
 
@@ -32,15 +32,18 @@ def shm_regions(args: LaunchArgs) -> list[Need]:
     server, w, n = server_config(args, "", "plan"), args.worker, args.launch.workers
     compute = server.compute_dtype
     grads = compute if w.grad_dtype == "compute" else "float32"
-    # the master: each layer's trained prefix (--freeze, LoRA), or this box's span of it
-    # (--eps-mode shard); the served copy is then a region of its own, whole
+    # the master: every layer whole, served as it is (fp32, unsharded); else each layer's
+    # trained prefix (--freeze, LoRA), or this box's span of it (--eps-mode shard), and the
+    # served copy a region of its own, whole
     sharding = server.boxes.sharding
-    master = sum(hi - lo for lo, hi in master_spans(layout.layers, sharding))
+    whole = serves_master(compute, sharding)
+    master = layout.total_numel if whole else sum(
+        hi - lo for lo, hi in master_spans(layout.layers, sharding))
     parts = ([f"this box's 1/{sharding.count}"] if sharding else []) + (
-        ["trained tensors"] if layout.frozen else [])
+        ["trained tensors"] if layout.frozen and not whole else [])
     label = "fp32 master weights" + (f" ({', '.join(parts)})" if parts else "")
     rows = [Need(label, 4 * max(1, master))]
-    if compute != "float32" or master != layout.total_numel:
+    if not whole:
         rows.append(Need(f"{compute} compute copy", layout.nbytes(compute)))
     rows.append(Need("layer versions", 8 * len(layout.layers)))
     if server.recovery:

@@ -44,6 +44,12 @@ class Sharding:
         return self.count * self.chunk(numel)
 
 
+def serves_master(compute_dtype: str, sharding: Sharding | None) -> bool:
+    """Whether the EPS's fp32 master is every layer whole (frozen tensors too), served as it
+    is (fp32 compute, no shards), rather than the trained parts beside a served copy."""
+    return compute_dtype == "float32" and sharding is None
+
+
 def master_spans(layers, sharding: Sharding | None) -> list[tuple[int, int]]:
     """[lo, hi) of each layer that the EPS's master trains: its trainable prefix (frozen
     tensors are never updated) or, sharded, this box's span of it."""

@@ -156,9 +156,10 @@ def test_the_plan_is_the_shared_memory_the_eps_creates(tmp_path):
     ("fp32", ("--freeze", "pre.*,blocks.0.*")), ("bf16", ("--freeze", "pre.*,blocks.0.*")),
     ("bf16", ("--nodes", "2", "--node-rank", "1", "--eps-mode", "shard"))])
 def test_the_plan_of_a_frozen_or_sharded_job_is_what_its_store_creates(precision, extra):
-    """The master holds the trained tensors (or this box's part of them), the served copy is
-    then a region of its own even in fp32, and a gradient slot holds a layer's trained part:
-    --plan says what the EPS's LayerStore makes of it, to the byte."""
+    """The master holds the trained tensors (or this box's part of them; fp32 unsharded: all,
+    served as they are), the served copy is then a region of its own (in shard mode even in
+    fp32), and a gradient slot holds a layer's trained part: --plan says what the EPS's
+    LayerStore makes of it, to the byte."""
     import secrets
 
     from eps_server.layer_store import LayerStore

@@ -207,15 +207,17 @@ def test_all_linear_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path):
 @pytest.mark.parametrize("family, lora", [
     ("olmoe", {"lora_target_parameters": "gate_up_proj,down_proj"}),
     ("mixtral", {"lora_target_parameters": "mlp.experts.down_proj", "lora_rslora": True}),
-    ("qwen2_moe", {"lora_target_parameters": "gate_up_proj", "lora_targets": "none"})],
-    ids=["olmoe-both", "mixtral-down-rslora", "qwen2_moe-gate_up-alone"])
+    ("qwen2_moe", {"lora_target_parameters": "gate_up_proj", "lora_targets": "none"}),
+    ("gpt_oss", {"lora_target_parameters": "gate_up_proj,down_proj"})],
+    ids=["olmoe-both", "mixtral-down-rslora", "qwen2_moe-gate_up-alone", "gpt_oss-transposed"])
 def test_lora_of_the_stacked_experts_trains_and_merges_as_peft(tmp_path, family, lora):
     """PEFT's target_parameters: every expert of a stack gets its own rank-r adapter (A: r*E x
-    in, B: out x r*E, expert e's rows and columns as PEFT reshapes them; two adapted stacks of a
-    module nest as PEFT nests them). 3 AdamW steps through the executor (with the attention's
-    adapters, but where none are asked for) equal PEFT's training from the same adapter, which
-    PEFT loads; --merge folds each expert's update into its own Linear of the checkpoint, and
-    the merged model computes what PEFT computes with the adapter."""
+    in, B: out x r*E, expert e's rows and columns as PEFT reshapes them; gpt-oss's stacks are
+    in x out; two adapted stacks of a module nest as PEFT nests them). 3 AdamW steps through
+    the executor (with the attention's adapters, but where none are asked for) equal PEFT's
+    training from the same adapter, which PEFT loads; --merge folds each expert's update into
+    its own Linear of the checkpoint (gpt-oss: its stack), and the merged model computes what
+    PEFT computes with the adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
