@@ -201,7 +201,8 @@ def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
     """DeepSeek-V3's router weight and routing bias (``_keep_in_fp32_modules_strict``):
     from_pretrained in bf16 keeps them fp32, and so does save_pretrained; --save-dtype bf16
     writes every tensor in the dtype save_pretrained writes it, the shard index's total size
-    too, and the bias and router weight unrounded."""
+    too, and the bias and router weight unrounded. The bias, frozen, comes as a job with bf16
+    compute has it, its bf16 copy: the export writes the source's fp32 value."""
     import json
 
     from protocol.safetensors_io import SafetensorsFile
@@ -214,10 +215,14 @@ def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
     model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, save_dtype="bf16",
                                     save_max_shard_size="20KB"))
     gen = torch.Generator().manual_seed(0)
-    trained = {(p.name, n): t + 1e-3 * torch.randn(t.shape, generator=gen)
-               for p in plan_layout(model.manifest()).layers
-               for n, t in model.loader().load(p).items()}
-    model.export(str(tmp_path / "out"), trained, {})
+    source = {(p.name, n): t for p in plan_layout(model.manifest()).layers
+              for n, t in model.loader().load(p).items()}
+    trained = {k: t + 1e-3 * torch.randn(t.shape, generator=gen) for k, t in source.items()}
+    bias = [k for k in source if k[1].endswith("e_score_correction_bias")]
+    assert bias and not torch.equal(source[bias[0]].bfloat16().float(), source[bias[0]])
+    model.export(str(tmp_path / "out"), {**trained, **{
+        k: source[k].bfloat16().float() for k in bias}}, {})
+    trained.update({k: source[k] for k in bias})
 
     def dtypes(root):
         index = json.loads((root / shards.INDEX).read_text())

@@ -87,9 +87,11 @@ def test_lora_trains_as_peft_and_saves_what_peft_loads(tmp_path):
                                   + 4 * len(layout.layers))
 
 
-def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path, precision):
     """--merge from an EPS checkpoint (l2l-export): W + alpha/r B A, a plain model the
-    library loads, whose logits are the adapted model's."""
+    library loads, whose logits are the adapted model's; with bf16 compute too, whose EPS
+    keeps the frozen base only as its bf16 copy: W is the fp32 source's, not that rounding."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +100,8 @@ def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path):
     p = subprocess.run([*LAUNCH, "--workers", "1", "--model", f"hf:{path}", *LORA,
                         "--data", str(data), "--seq-len", str(SEQ), "--micro-batch-size", "4",
                         "--threads", "1", "--steps", "2", "--lr", "1e-2", "--save",
-                        str(tmp_path / "adapter"), "--server-save", str(tmp_path / "ck")],
+                        str(tmp_path / "adapter"), "--server-save", str(tmp_path / "ck"),
+                        "--precision", precision],
                        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert export_main([str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge"]) == 0

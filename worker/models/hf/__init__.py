@@ -27,7 +27,7 @@ from ...config import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
 from . import families, multimodal, quantized
-from .checkpoint import HfCheckpoint, export
+from .checkpoint import HfCheckpoint, export, unrounded
 
 log = logging.getLogger("l2l_worker")
 
@@ -246,12 +246,12 @@ class HfModel(LayeredModel):
     def export(self, path: str, tensors: dict, metadata: dict) -> None:
         cfg = self.cfg
         if not cfg.lora_rank:
-            return export(self, path, tensors)
+            return export(self, path, unrounded(self, tensors))
         self.manifest()  # (the targeted modules' names and kinds)
         if cfg.merge:
-            return export(self, path, lora.merged(
-                tensors, lora.scaling(cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora),
-                self.lora_fan_in_fan_out, self.lora_stacked))
+            scale = lora.scaling(cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora)
+            return export(self, path, lora.merged(unrounded(self, tensors), scale,
+                                                  self.lora_fan_in_fan_out, self.lora_stacked))
         trains = self.lora_trains()
         named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}

@@ -23,11 +23,12 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import replace
 
 import torch
 
 from protocol.safetensors_io import SafetensorsFile
-from protocol.tensors import LayerPlan
+from protocol.tensors import LayerPlan, plan_layout
 
 from ...config import size_bytes
 from ..base import derive_seed
@@ -129,6 +130,31 @@ def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
     if len(shape) >= 2:
         return torch.empty(shape).normal_(0.0, std, generator=gen)
     return torch.zeros(shape)
+
+
+def unrounded(model, tensors: dict[tuple[str, str], torch.Tensor]) -> dict:
+    """``tensors`` with each frozen one as the source holds it where the given value is its
+    rounding to bf16 or fp16: with 16-bit compute the EPS keeps a frozen tensor (a LoRA base,
+    --freeze, a routing bias) only as its served copy, and the source is its exact value (an
+    fp32 checkpoint's, an FP8 one's dequantized). Anything else is kept as given."""
+    out, source = dict(tensors), None
+    for plan in plan_layout(model.manifest()).layers:
+        frozen = tuple(s for s in plan.tensors
+                       if s.group == "frozen" and (plan.name, s.name) in tensors)
+        if not frozen:
+            continue
+        source = source or HfCheckpoint(model)
+        try:
+            values = source.load(replace(plan, tensors=frozen))
+        except ValueError:  # (not in this source: keep what was served)
+            continue
+        for slot in frozen:
+            given, exact = tensors[(plan.name, slot.name)], values[slot.name]
+            if exact.dtype == torch.float32 and given.dtype == torch.float32 and any(
+                    torch.equal(exact.to(d).float(), given)
+                    for d in (torch.bfloat16, torch.float16)):
+                out[(plan.name, slot.name)] = exact
+    return out
 
 
 def kept_in_fp32(config, names: list[str]) -> set[str]:
