@@ -250,8 +250,10 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     --save-dtype auto writes the source's bf16. Past --save-max-shard-size the weights are
     split as save_pretrained splits them (its index's totals, the library loading every tensor),
     and a later export removes the files it does not overwrite; a failed write leaves the
-    earlier export as it was."""
+    earlier export as it was, and an export killed mid-write leaves nothing the next keeps."""
     import json
+    import os
+    import subprocess
 
     from protocol.tensors import plan_layout
     from worker.models.hf import shards
@@ -313,8 +315,16 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     monkeypatch.undo()
 
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # an export killed mid-write left its temporary files (a live one's stay)
+    left = [f".model-00001-of-00002.safetensors.partial-{dead.pid}.tmp-{dead.pid}",
+            f"model.safetensors.index.json.partial-{dead.pid}"]
+    live = f".model.safetensors.partial-{os.getppid()}"
+    for name in [*left, live]:
+        (out / name).write_bytes(b"x")
     want, got, _ = export(out)  # one file again: the shards and their index go
     assert sorted(f.name for f in out.glob("model*")) == ["model.safetensors"]
+    assert not any((out / name).exists() for name in left) and (out / live).exists()
     assert all(torch.equal(got[k], v) for k, v in want.items())
     with pytest.raises(ValueError, match="save-max-shard-size"):
         ModelConfig(model=f"hf:{fp32}", save_max_shard_size="lots")

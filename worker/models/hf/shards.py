@@ -8,7 +8,8 @@ Every weight file and the index are written under temporary names first, then re
 index last), and the files of an earlier export that the new one does not overwrite are
 removed: a failed write removes what it wrote and leaves the earlier export's weights as they
 were. (The config is written after the weights: an export interrupted between the two leaves
-new weights beside the earlier config.)
+new weights beside the earlier config.) An export killed while it writes leaves its temporary
+files; the next export into the directory removes them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from protocol.safetensors_io import write_safetensors, written_dtype
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# what an export writes under a temporary name, with its pid (write_safetensors adds .tmp-)
+PARTIAL = re.compile(r"\.?model[^/]*\.partial-(\d+)(?:\.tmp-\d+)?")
 
 
 def nbytes(t: torch.Tensor, dtype: torch.dtype | None, kept: bool = False) -> int:
@@ -57,6 +60,7 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
                   keep: Collection[str] = ()) -> list[str]:
     """Write ``named`` (the library's names, in order) into the directory ``path``, floating
     point in ``dtype`` but for the names in ``keep``; returns the files' names."""
+    remove_leftovers(path)
     files = split(named, dtype, max_bytes, keep)
     names = file_names(len(files))
     partial = [os.path.join(path, f".{n}.partial-{os.getpid()}") for n in names]
@@ -89,3 +93,25 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
     for f in stale:
         os.remove(os.path.join(path, f))
     return names
+
+
+def remove_leftovers(path: str) -> None:
+    """The temporary files of an export that was killed while it wrote into ``path`` (its
+    process gone; a live one's are left to it)."""
+    for f in os.listdir(path):
+        m = PARTIAL.fullmatch(f)
+        if m and not _alive(int(m.group(1))):
+            try:
+                os.remove(os.path.join(path, f))
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        pass
+    return True
