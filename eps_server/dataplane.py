@@ -60,7 +60,7 @@ class DataPlane:
     def fetch(self, identity: bytes, msg: Fetch, frames=()) -> list[Out]:
         peer = self.peers.worker(identity)
         self.check_layer(msg.layer)
-        if msg.which == "master" and self.store.sharding is not None and \
+        if msg.which != "compute" and self.store.sharding is not None and \
                 self.store.compute_dtype != "float32":
             raise RequestError("bad_request", "in --eps-mode shard the fp32 master is spread "
                                "over the boxes: export the final checkpoint (--server-save) "
@@ -103,9 +103,11 @@ class DataPlane:
     def _master_frame(self, identity: bytes, msg: Fetch, version: int) -> Out:
         """The fp32 master of a layer the master region does not hold whole: its trainable
         part from the master, its frozen tensors from the served copy (shard mode in fp32:
-        the served copy, the same values), assembled and sent as a frame."""
+        the served copy, the same values), assembled and sent as a frame (``trained``: the
+        trainable part alone)."""
         store, plan = self.store, self.store.plan(msg.layer)
-        flat = store.compute(msg.layer).float()
+        served = store.compute(msg.layer)
+        flat = (served[:plan.trainable] if msg.which == "trained" else served).float()
         if store.sharding is None:
             flat[:plan.trainable] = store.master(msg.layer)
         self.stats.bytes_served_frames += flat.numel() * 4
@@ -117,24 +119,31 @@ class DataPlane:
     def _layer_ready(self, identity: bytes, msg: Fetch, retained: bool = False) -> Out:
         peer, plan, store = self.peers.get(identity), self.store.plan(msg.layer), self.store
         version = store.versions[msg.layer]
+        start, nbytes = None, None  # (the whole layer)
         if self._retaining(msg) and (retained or msg.min_version == version - 1):
             region, dtype, version = store.retained_region, store.compute_dtype, msg.min_version
-        elif msg.which == "master" and not store.whole_master:
+        elif msg.which == "trained" and store.sharding is None:  # the master's, back to back
+            region, dtype = store.master_region, "float32"
+            start, nbytes = 4 * store.shard_plans[msg.layer].offset, 4 * plan.trainable
+        elif msg.which != "compute" and not store.whole_master:
             return self._master_frame(identity, msg, version)
-        elif msg.which == "master" or store.compute_region is None:
+        elif msg.which != "compute" or store.compute_region is None:
             region, dtype = store.master_region, "float32"
         else:
             region, dtype = store.compute_region, store.compute_dtype
-        name, offset, out = peer.transport.layer_out(region, plan.byte_offset(dtype),
-                                                     plan.nbytes(dtype))
+        if start is None:
+            start, nbytes = plan.byte_offset(dtype), plan.nbytes(dtype)
+            if msg.which == "trained":
+                nbytes = plan.trainable * 4
+        name, offset, out = peer.transport.layer_out(region, start, nbytes)
         self.stats.fetches += 1
         if out:
-            self.stats.bytes_served_frames += plan.nbytes(dtype)
+            self.stats.bytes_served_frames += nbytes
         else:
-            self.stats.bytes_served_shm += plan.nbytes(dtype)
+            self.stats.bytes_served_shm += nbytes
         return Out(identity, LayerReady(
             req_id=msg.req_id, layer=msg.layer, version=version, region=name,
-            offset=offset, nbytes=plan.nbytes(dtype), dtype=dtype,
+            offset=offset, nbytes=nbytes, dtype=dtype,
             loss_scale=self.scheduler.scaler.scale), out)
 
     def resume_point(self, rank: int) -> tuple[int, tuple[int, ...]]:

@@ -22,7 +22,9 @@ ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as ident
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank
 TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
-WHICH = ("compute", "master")  # which copy of a layer a Fetch wants
+# which copy of a layer a Fetch wants: the served one, the fp32 master, or the master's
+# trainable prefix alone (its frozen tensors left out: a LoRA adapter's save)
+WHICH = ("compute", "master", "trained")
 ERROR_CODES = (
     "bad_message",  # malformed frames, wrong types, out-of-range fields
     "protocol_version",  # Hello with another protocol version

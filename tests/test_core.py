@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -71,7 +72,8 @@ SGD = OptimizerConfig(name="sgd", lr=0.5, weight_decay=0.0)
 class Harness:
     """One core and its peers' inboxes. ``peer(r)`` is rank r's connection identity."""
 
-    def __init__(self, world_size=1, optimizer=SGD, **server):
+    def __init__(self, world_size=1, optimizer=SGD, manifest=MANIFEST, **server):
+        self.manifest, self.layout = manifest, plan_layout(manifest)
         self.cfg = ServerConfig(world_size=world_size, run_id="c" + secrets.token_hex(4),
                                 optimizer=optimizer, **server)
         self.now = 0.0  # the core's clock: tests move it (heartbeat timeouts)
@@ -110,8 +112,8 @@ class Harness:
 
     def hello(self, rank, req_id=1, peer=None, **kw):
         fields = dict(protocol_version=PROTOCOL_VERSION, rank=rank,
-                      world_size=self.cfg.world_size, manifest_hash=MANIFEST.hash(),
-                      manifest=MANIFEST, transport="frames", grad_dtype="float32")
+                      world_size=self.cfg.world_size, manifest_hash=self.manifest.hash(),
+                      manifest=self.manifest, transport="frames", grad_dtype="float32")
         fields.update(kw)
         self.send(rank, Hello(req_id=req_id, **fields), peer=peer)
         return self.take(rank, req_id, peer=peer).msg
@@ -120,7 +122,7 @@ class Harness:
         for r in range(self.cfg.world_size):
             welcome = self.hello(r, grad_dtype=grad_dtype)
             assert welcome.init_layers == (tuple(range(L)) if r == 0 else ())
-        for plan in LAYOUT.layers:
+        for plan in self.layout.layers:
             self.send(0, InitLayer(req_id=100 + plan.index, layer=plan.index),
                       [torch.full((plan.numel,), value).numpy()])
         self.poll()
@@ -130,8 +132,8 @@ class Harness:
         self.send(rank, PushGrad(req_id=req_id, step=step, layer=layer, rank=rank, slot=-1,
                                  dtype=dtype), [grad.contiguous().view(torch.uint8).numpy()])
 
-    def master(self, layer, version, rank=0) -> torch.Tensor:
-        self.send(rank, Fetch(req_id=999, layer=layer, min_version=version, which="master"))
+    def master(self, layer, version, rank=0, which="master") -> torch.Tensor:
+        self.send(rank, Fetch(req_id=999, layer=layer, min_version=version, which=which))
         out = self.take(rank, 999)
         assert isinstance(out.msg, LayerReady) and out.msg.version == version, out
         return torch.frombuffer(bytearray(out.frames[0]), dtype=torch.float32)
@@ -355,6 +357,27 @@ def test_fetch_rules(make):
     h.push(0, 0, 1, grad_of(1, 1.0), 6)  # reduced; its update not yet taken in...
     h.send(0, Fetch(req_id=7, layer=1, min_version=0))  # ...version 0 is being replaced
     assert error(h.take(0, 7)).field == "min_version"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_fetch_of_the_trained_part_leaves_the_frozen_tensors_out(make, precision):
+    """which="trained": the fp32 master's trainable prefix alone (a LoRA adapter's save need
+    not move the frozen base); "master" is the whole layer, its frozen tensors as served."""
+    manifest = Manifest(layers=tuple(LayerSpec(name=f"l{i}", kind="k", tensors=(
+        TensorSpec(name="w", shape=(4, 8)), TensorSpec(name="f", shape=(64, 8), group="frozen")))
+        for i in range(L)), meta={"model": "core-test-frozen"})
+    h = make(1, manifest=manifest, precision=precision)
+    h.bootstrap(value=1.0)
+    plan = h.layout.layers[1]
+    grad = torch.zeros(plan.trainable)
+    views(grad, replace(plan, tensors=plan.tensors[:1]))[0].fill_(1.0)
+    h.push(0, 0, 1, grad, 6)
+    h.poll()
+    whole, trained = h.master(1, 1), h.master(1, 1, which="trained")
+    assert whole.numel() == plan.numel and trained.numel() == plan.trainable < plan.numel / 4
+    assert torch.equal(trained, whole[:plan.trainable])
+    w, f = (whole[s.offset:s.offset + s.numel] for s in plan.tensors)
+    assert torch.equal(w, torch.full((32,), 0.5)) and torch.equal(f, torch.ones(512))
 
 
 def test_save_holds_the_next_step_until_written(make, tmp_path):

@@ -90,7 +90,7 @@ SAMPLES = {
     Ack: st.builds(Ack, req_id=ids),
     InitLayer: st.builds(InitLayer, req_id=ids, layer=small),
     Fetch: st.builds(Fetch, req_id=ids, layer=small, min_version=small,
-                     which=st.sampled_from(["compute", "master"])),
+                     which=st.sampled_from(["compute", "master", "trained"])),
     LayerReady: st.builds(LayerReady, req_id=ids, layer=small, version=small,
                           region=st.text(max_size=20), offset=small, nbytes=small, dtype=dtypes,
                           loss_scale=st.floats(1e-8, 1e8)),

@@ -107,14 +107,19 @@ def report(last: StepResult, samples: int, seconds: float, memory: PeakMemory) -
 
 def save_model(client: EpsClient, regions: Regions, model, layout: Layout, version: int,
                path: str, metadata: dict) -> None:
-    """Export the fp32 master at ``version`` in the model's own format (model.export)."""
+    """Export the fp32 master at ``version`` in the model's own format (model.export); of a
+    layer whose exported tensors all train (a LoRA adapter's), only its trainable part."""
     tensors, keep = {}, []
     for plan in layout.layers:
         names = model.exported(plan)  # (a LoRA adapter: its own tensors only)
         if not names:
             continue
-        ready, frames = client.wait(client.fetch(plan.index, version, which="master"))
-        views = named_views(layer_view(regions, plan, ready, frames), plan)
+        frozen = {s.name for s in plan.tensors if s.group == "frozen"}
+        trained = not frozen & set(names)
+        ready, frames = client.wait(client.fetch(plan.index, version,
+                                                 which="trained" if trained else "master"))
+        views = named_views(layer_view(regions, plan, ready, frames, trained), plan,
+                            names if trained else None)
         whole = len(names) == len(plan.tensors)
         if whole:
             keep.append(frames)  # frames must outlive the views written below

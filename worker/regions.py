@@ -107,19 +107,22 @@ class Regions:
         self._regions.clear()
 
 
-def layer_view(regions: Regions, plan: LayerPlan, ready: LayerReady, frames) -> torch.Tensor:
-    """The layer's flat bytes, as a CPU tensor over shared memory or the received frame."""
+def layer_view(regions: Regions, plan: LayerPlan, ready: LayerReady, frames,
+               trained: bool = False) -> torch.Tensor:
+    """The layer's flat bytes (``trained``: its trainable prefix), as a CPU tensor over shared
+    memory or the received frame."""
     if ready.layer != plan.index:
         raise RuntimeError(f"asked for layer {plan.index}, got {ready.layer}")
     dtype = DTYPES[ready.dtype]
-    if ready.nbytes != plan.numel * dtype.itemsize:
+    numel = plan.trainable if trained else plan.numel
+    if ready.nbytes != numel * dtype.itemsize:
         raise RuntimeError(f"layer {plan.index}: {ready.nbytes} bytes, expected "
-                           f"{plan.numel * dtype.itemsize}")
+                           f"{numel * dtype.itemsize}")
     if frames:
         return frombuffer(frames[0], dtype)
     if ready.offset % dtype.itemsize:
         raise RuntimeError(f"misaligned offset {ready.offset}")
-    return regions.get(ready.region).tensor(dtype, ready.offset // dtype.itemsize, plan.numel)
+    return regions.get(ready.region).tensor(dtype, ready.offset // dtype.itemsize, numel)
 
 
 class SlotRing:
