@@ -162,9 +162,9 @@ class Engines:
     # -- the jobs -------------------------------------------------------------------------
 
     def _init(self, job: Init) -> bool:
-        if not all_finite(job.data):
+        if not all_finite(job.data) or (job.tail is not None and not all_finite(job.tail)):
             return False
-        self.store.write_initial(job.layer, job.data)
+        self.store.write_initial(job.layer, job.data, job.tail)
         return True
 
     def _update(self, job: Update) -> Updated:

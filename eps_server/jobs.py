@@ -68,11 +68,14 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class Init:
-    """Write a layer's initial fp32 values (refused if not all finite). Result: bool."""
+    """Write a layer's initial values (refused if not all finite): fp32, whole, or ``tail``
+    its frozen tensors in the compute dtype after ``data``, its trainable prefix. Result:
+    bool."""
 
     layer: int
     data: torch.Tensor
     requester: Requester
+    tail: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

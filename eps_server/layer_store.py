@@ -119,15 +119,19 @@ class LayerStore:
         lo, hi = self.spans[layer]
         return self.compute(layer)[lo:hi]
 
-    def write_initial(self, layer: int, data: torch.Tensor) -> None:
-        """A layer's initial (or loaded) fp32 values, whole: the master's span of them, and
-        the served copy."""
-        lo, hi = self.spans[layer]
-        if self.compute_region is None:
-            self.compute(layer).copy_(data)  # the master, whole
-            return
-        self.master(layer).copy_(data[lo:hi])
-        self.compute(layer).copy_(data)
+    def write_initial(self, layer: int, data: torch.Tensor,
+                      tail: torch.Tensor | None = None) -> None:
+        """A layer's initial (or loaded) values: fp32, whole, or (``tail``) its trainable
+        prefix in fp32 and its frozen tensors in the compute dtype: the master's span of
+        them, and the served copy (in fp32 unsharded, the master itself)."""
+        trainable, (lo, hi) = self.plan(layer).trainable, self.spans[layer]
+        if tail is None:
+            data, tail = data[:trainable], data[trainable:]
+        if self.compute_region is not None:
+            self.master(layer).copy_(data[lo:hi])
+        served = self.compute(layer)
+        served[:trainable].copy_(data)
+        served[trainable:].copy_(tail)
 
     @property
     def served_region(self) -> Region:

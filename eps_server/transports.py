@@ -88,6 +88,8 @@ def frame_tensor(frame: memoryview, dtype: str, numel: int) -> torch.Tensor:
     if frame.nbytes != want:
         raise RequestError("bad_request", f"tensor frame has {frame.nbytes} bytes, expected "
                            f"{want}", "frames")
+    if not numel:  # (torch.frombuffer refuses an empty buffer)
+        return torch.empty(0, dtype=DTYPES[dtype])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only frame; never written
         return torch.frombuffer(frame, dtype=DTYPES[dtype], count=numel)

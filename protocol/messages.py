@@ -195,12 +195,17 @@ class Ack(Message):
 
 @message(5, frames=(1, 1))
 class InitLayer(Message):
-    """Initial fp32 values of one layer, as one frame in the layer's flat layout."""
+    """Initial values of one layer, as one frame in the layer's flat layout: fp32, or its
+    trainable prefix in fp32 followed by its frozen tensors in ``frozen_dtype`` (the compute
+    dtype, the only copy of them the EPS keeps: half the bytes of a LoRA base in bf16)."""
 
     layer: int
+    frozen_dtype: str = "float32"
 
     def check(self) -> None:
         _require(self.layer >= 0, "layer", "must be >= 0")
+        _require(self.frozen_dtype in ITEMSIZES, "frozen_dtype",
+                 f"must be one of {sorted(ITEMSIZES)}")
 
 
 @message(6)

@@ -359,14 +359,17 @@ def test_fetch_rules(make):
     assert error(h.take(0, 7)).field == "min_version"
 
 
+# each layer: a trained matrix, then a frozen one (a LoRA layer's shape)
+FROZEN = Manifest(layers=tuple(LayerSpec(name=f"l{i}", kind="k", tensors=(
+    TensorSpec(name="w", shape=(4, 8)), TensorSpec(name="f", shape=(64, 8), group="frozen")))
+    for i in range(L)), meta={"model": "core-test-frozen"})
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_fetch_of_the_trained_part_leaves_the_frozen_tensors_out(make, precision):
     """which="trained": the fp32 master's trainable prefix alone (a LoRA adapter's save need
     not move the frozen base); "master" is the whole layer, its frozen tensors as served."""
-    manifest = Manifest(layers=tuple(LayerSpec(name=f"l{i}", kind="k", tensors=(
-        TensorSpec(name="w", shape=(4, 8)), TensorSpec(name="f", shape=(64, 8), group="frozen")))
-        for i in range(L)), meta={"model": "core-test-frozen"})
-    h = make(1, manifest=manifest, precision=precision)
+    h = make(1, manifest=FROZEN, precision=precision)
     h.bootstrap(value=1.0)
     plan = h.layout.layers[1]
     grad = torch.zeros(plan.trainable)
@@ -378,6 +381,33 @@ def test_a_fetch_of_the_trained_part_leaves_the_frozen_tensors_out(make, precisi
     assert torch.equal(trained, whole[:plan.trainable])
     w, f = (whole[s.offset:s.offset + s.numel] for s in plan.tensors)
     assert torch.equal(w, torch.full((32,), 0.5)) and torch.equal(f, torch.ones(512))
+
+
+def test_frozen_tensors_may_come_in_the_compute_dtype(make):
+    """InitLayer's frame: the trainable prefix in fp32, the frozen tail in the compute dtype
+    (the only copy the EPS keeps of it), served as sent; another dtype, a frame of the wrong
+    size or a non-finite value is refused and initialises nothing."""
+    h = make(1, manifest=FROZEN, precision="bf16")
+    assert h.hello(0).init_layers == tuple(range(L))
+    plan = h.layout.layers[0]
+    head = torch.arange(plan.trainable, dtype=torch.float32) / 7
+    tail = (torch.arange(plan.numel - plan.trainable) / 3).bfloat16()
+
+    def init(req_id, dtype, *parts):
+        h.send(0, InitLayer(req_id=req_id, layer=0, frozen_dtype=dtype),
+               [b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)])
+        h.poll()
+        return h.take(0, req_id)
+
+    assert error(init(1, "float16", head, tail.half())).field == "frozen_dtype"
+    assert error(init(2, "bfloat16", head, tail[1:])).field == "frames"
+    assert error(init(3, "bfloat16", head, torch.cat([tail[:-1], tail[:1] / 0]))).code \
+        == "bad_request"
+    assert h.core.store.versions[0] == -1
+    assert isinstance(init(4, "bfloat16", head, tail).msg, Ack)
+    assert torch.equal(h.master(0, 0), torch.cat([head, tail.float()]))
+    served = h.master(0, 0, which="compute").view(torch.bfloat16)
+    assert torch.equal(served, torch.cat([head.bfloat16(), tail]))
 
 
 def test_save_holds_the_next_step_until_written(make, tmp_path):

@@ -168,8 +168,8 @@ class EpsClient:
         """The worker's loop made progress (see start_heartbeats)."""
         self._progress = time.monotonic()
 
-    def init_layer(self, layer: int, data) -> Future:
-        return self.request(InitLayer, frames=(data,), layer=layer)
+    def init_layer(self, layer: int, data, frozen_dtype: str = "float32") -> Future:
+        return self.request(InitLayer, frames=(data,), layer=layer, frozen_dtype=frozen_dtype)
 
     def fetch(self, layer: int, min_version: int, which: str = "compute") -> Future:
         return self.request(Fetch, layer=layer, min_version=min_version, which=which)

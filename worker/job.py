@@ -14,7 +14,7 @@ from protocol.curve import client_keys
 from protocol.events import EvalDone, EventWriter, Joined, StepDone
 from protocol.messages import WorkerReport
 from protocol.shm import is_run_id
-from protocol.tensors import Layout, named_views, plan_layout
+from protocol.tensors import DTYPES, Layout, named_views, plan_layout
 from protocol.trace import Tracer
 
 from .config import WorkerArgs
@@ -25,7 +25,7 @@ from .faults import Fault, parse_delays
 from .keep import GraphBudget
 from .memory import PeakMemory
 from .models import build_model
-from .models.loaders import flat_of
+from .models.loaders import init_frame
 from .regions import Regions, layer_view
 from .source import make_source
 
@@ -80,17 +80,21 @@ def join(client: EpsClient, timeout: float, **hello):
             time.sleep(0.25)
 
 
-def bootstrap(client: EpsClient, loader, layout: Layout, layers) -> None:
-    """Send the initial fp32 values of ``layers``, a few in flight at a time, each assembled in
-    one of a ring of buffers (the loader's tensors are views of the checkpoint file): memory
-    stays at a few layers however deep the model, and nothing is allocated per layer."""
-    ring = [torch.empty(layout.max_layer_numel) for _ in range(INIT_IN_FLIGHT)]
+def bootstrap(client: EpsClient, loader, layout: Layout, layers, compute: str) -> None:
+    """Send the initial values of ``layers`` (fp32; a layer's frozen tensors in the
+    ``compute`` dtype, the only copy the EPS keeps of them), a few in flight at a time, each
+    assembled in one of a ring of buffers (the loader's tensors are views of the checkpoint
+    file): memory stays at a few layers however deep the model, and nothing is allocated per
+    layer."""
+    ring = [torch.empty(4 * layout.max_layer_numel, dtype=torch.uint8)
+            for _ in range(INIT_IN_FLIGHT)]
     in_flight = []
     for k, plan in enumerate(layout.layers[i] for i in layers):
         if len(in_flight) == len(ring):
             client.wait(in_flight.pop(0))  # its buffer is free again (the frame was sent)
-        flat = flat_of(loader, plan, out=ring[k % len(ring)])
-        in_flight.append(client.init_layer(plan.index, flat.numpy().data))
+        frozen = compute if plan.trainable < plan.numel else "float32"
+        frame = init_frame(loader, plan, ring[k % len(ring)], DTYPES[frozen])
+        in_flight.append(client.init_layer(plan.index, frame.numpy().data, frozen))
     for fut in in_flight:
         client.wait(fut)
 
@@ -240,7 +244,7 @@ class WorkerJob:
         if welcome.init_layers:
             t0 = time.perf_counter()
             bootstrap(self.client, self.model.loader(getattr(torch, welcome.compute_dtype)),
-                      self.layout, welcome.init_layers)
+                      self.layout, welcome.init_layers, welcome.compute_dtype)
             self.model.drop_loader()  # its files stay mapped only while they are read
             log.info("rank %d: initialised the EPS in %.2f s", cfg.rank, time.perf_counter() - t0)
         sharder = Sharder(self.task, cfg.micro_batch_size, cfg.global_micro_batches)

@@ -57,3 +57,18 @@ def flat_of(loader, plan: LayerPlan, out: torch.Tensor | None = None) -> torch.T
     for name, view in named_views(flat, plan).items():
         view.copy_(values[name])
     return flat
+
+
+def init_frame(loader, plan: LayerPlan, out: torch.Tensor, frozen: torch.dtype) -> torch.Tensor:
+    """A layer's initial values as InitLayer sends them, in ``out`` (bytes, at least 4 x
+    ``plan.numel``): its trainable prefix in fp32, then its frozen tail in ``frozen`` (padding
+    zero). Returns the frame's bytes."""
+    cut, size = 4 * plan.trainable, (plan.numel - plan.trainable) * frozen.itemsize
+    frame = out[:cut + size].zero_()
+    head, tail = frame[:cut].view(torch.float32), frame[cut:].view(frozen)
+    values = loader.load(plan)
+    for s in plan.tensors:
+        part, at = (head, s.offset) if s.offset < plan.trainable else (
+            tail, s.offset - plan.trainable)
+        part[at:at + s.numel].view(s.shape).copy_(values[s.name])
+    return frame
