@@ -58,7 +58,7 @@ from .replies import Out, Waiting, error_out
 from .saving import SaveOutcomes
 from .scheduler import UpdateScheduler
 from .stats import EpsStats, model_memory, peak_memory_bytes
-from .transports import frame_tensor, make_transport
+from .transports import initial_values, make_transport
 
 log = logging.getLogger("eps_server")
 
@@ -285,19 +285,10 @@ class EpsCore:
         if peer.rank != self.initialiser:
             raise RequestError("bad_request", f"rank {peer.rank} is not the initialising worker "
                                f"(rank {self.initialiser})", "layer")
-        plan, tail = self.store.plan(msg.layer), None
-        if msg.frozen_dtype == "float32":
-            data = frame_tensor(frames[0], "float32", plan.numel)
-        elif msg.frozen_dtype == self.store.compute_dtype:
-            frame, cut = memoryview(frames[0]).cast("B"), 4 * plan.trainable
-            data = frame_tensor(frame[:cut], "float32", plan.trainable)
-            tail = frame_tensor(frame[cut:], msg.frozen_dtype, plan.numel - plan.trainable)
-        else:
-            raise RequestError("bad_request", f"frozen tensors come in float32 or the compute "
-                               f"dtype ({self.store.compute_dtype})", "frozen_dtype")
+        data, tail = initial_values(frames[0], self.store.plan(msg.layer), msg.frozen_dtype,
+                                    self.store.compute_dtype)
         if self.store.versions[msg.layer] >= 0 or msg.layer in self.initialising:
-            raise RequestError("bad_request", f"layer {msg.layer} is already initialised",
-                               "layer")
+            raise RequestError("bad_request", f"layer {msg.layer} is initialised", "layer")
         self.initialising.add(msg.layer)
         self.engines.submit(Init(msg.layer, data, Requester(identity, msg.req_id), tail))
         return []

@@ -93,3 +93,17 @@ def frame_tensor(frame: memoryview, dtype: str, numel: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only frame; never written
         return torch.frombuffer(frame, dtype=DTYPES[dtype], count=numel)
+
+
+def initial_values(frame: memoryview, plan: LayerPlan, frozen_dtype: str,
+                   compute_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An InitLayer's frame: the layer in fp32, whole (and None), or its trainable prefix in
+    fp32 and its frozen tail in the compute dtype."""
+    if frozen_dtype == "float32":
+        return frame_tensor(frame, "float32", plan.numel), None
+    if frozen_dtype != compute_dtype:
+        raise RequestError("bad_request", f"frozen tensors come in float32 or the compute "
+                           f"dtype ({compute_dtype})", "frozen_dtype")
+    frame, cut = memoryview(frame).cast("B"), 4 * plan.trainable
+    return (frame_tensor(frame[:cut], "float32", plan.trainable),
+            frame_tensor(frame[cut:], frozen_dtype, plan.numel - plan.trainable))

@@ -1,11 +1,9 @@
 """Every message of the l2l wire protocol, as typed frozen dataclasses (see SPEC.md).
 
-A message travels as ``[kind byte][msgpack body][tensor frames...]``. The kind byte picks the
-class from ``REGISTRY``; the body is a map of the class's fields. ``codec.decode`` checks every
-field's type against the annotations below and then runs the class's own range checks
-(``__post_init__``), so a handler only ever sees well-formed messages.
-
-Requests carry a ``req_id`` chosen by the client; the reply to a request carries the same id.
+A message travels as ``[kind byte][msgpack body][tensor frames...]``: the kind byte picks the
+class from ``REGISTRY``, the body maps its fields. ``codec.decode`` checks every field's type
+against the annotations below, then the class's range checks (``__post_init__``): a handler
+only sees well-formed messages. A request's ``req_id`` (the client's) comes back in its reply.
 """
 
 from __future__ import annotations
@@ -17,14 +15,12 @@ from .box_info import BoxInfo
 from .lifecycle import IDENTITY
 from .tensors import ITEMSIZES, Manifest
 
-PROTOCOL_VERSION = 6  # what each version added: SPEC.md, "Versions"
+PROTOCOL_VERSION = 7  # what each version added: SPEC.md, "Versions"
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank
 TRANSPORTS = ("shm", "frames")  # shm: same box, tensors in shared memory; frames: tensor bytes
-# which copy of a layer a Fetch wants: the served one, the fp32 master, or the master's
-# trainable prefix alone (its frozen tensors left out: a LoRA adapter's save)
-WHICH = ("compute", "master", "trained")
+WHICH = ("compute", "master", "trained")  # a Fetch's copy: served, fp32 master, its trained part
 ERROR_CODES = (
     "bad_message",  # malformed frames, wrong types, out-of-range fields
     "protocol_version",  # Hello with another protocol version
@@ -38,8 +34,7 @@ ERROR_CODES = (
     "internal",  # a bug in the server; the request had no effect
 )
 MAX_RANKS = 4096
-# What a region holds: tensors of a layer dtype, int64 versions, or raw bytes (stash arena).
-REGION_DTYPES = (*sorted(ITEMSIZES), "int64", "uint8")
+REGION_DTYPES = (*sorted(ITEMSIZES), "int64", "uint8")  # layer dtypes, versions, stash bytes
 MAX_STR = 4096
 REGISTRY: dict[int, type[Message]] = {}
 
@@ -195,17 +190,15 @@ class Ack(Message):
 
 @message(5, frames=(1, 1))
 class InitLayer(Message):
-    """Initial values of one layer, as one frame in the layer's flat layout: fp32, or its
-    trainable prefix in fp32 followed by its frozen tensors in ``frozen_dtype`` (the compute
-    dtype, the only copy of them the EPS keeps: half the bytes of a LoRA base in bf16)."""
+    """Initial values of one layer, one frame in its flat layout: its trainable prefix in
+    fp32, its frozen tensors in ``frozen_dtype`` (fp32 or the compute dtype: SPEC.md)."""
 
     layer: int
     frozen_dtype: str = "float32"
 
     def check(self) -> None:
         _require(self.layer >= 0, "layer", "must be >= 0")
-        _require(self.frozen_dtype in ITEMSIZES, "frozen_dtype",
-                 f"must be one of {sorted(ITEMSIZES)}")
+        _require(self.frozen_dtype in ITEMSIZES, "frozen_dtype", f"not in {sorted(ITEMSIZES)}")
 
 
 @message(6)
