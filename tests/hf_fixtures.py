@@ -90,6 +90,13 @@ DECODERS = {
         topk_group=1, moe_intermediate_size=24, first_k_dense_replace=1,
         partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, pad_token_id=0,
         eos_token_id=3)),
+    # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
+    # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, mlp_only_layers=[],
+        layer_types=["linear_attention", "full_attention"], pad_token_id=0, eos_token_id=3)),
     # gpt-oss: attention sinks, alternate layers slide, YaRN rotary, experts stacked in the
     # checkpoint too (transposed, gate and up interleaved, with biases), a router with a bias
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(

@@ -40,6 +40,7 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
     ("bert", True, 0), ("bert-mlm", False, 3), ("roberta", False, 0), ("roberta-mlm", False, 3),
     ("xlm-roberta", False, 0),
     ("gpt2", False, 0), *((f, False, 0) for f in fx.DECODERS), ("qwen3-cls", False, 0),
+    ("qwen3_next-cls", False, 0),
     ("mixtral-cls", False, 0),
     ("llama", False, 3)])
 def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
@@ -48,10 +49,10 @@ def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     a first-token head) from a classifier and, with a new head (``classes``), from a masked LM;
     GPT-2 with its tied LM head; the decoders of fx.DECODERS (grouped-query attention, windows
     shorter than the sequence, layers without rotary, scaled embeddings and logits, tied heads,
-    mixtures of experts with router noise, shared experts and dense layers) on text or token
-    ids; decoders (Qwen3, Mixtral) as sequence classifiers (pooled at the last real token of
-    padded rows), from a classifier and from a causal LM with a new head; dropout 0.1
-    everywhere it exists."""
+    mixtures of experts with router noise, shared experts and dense layers, linear attention)
+    on text or token ids; decoders (Qwen3, Qwen3-Next, Mixtral) as sequence classifiers
+    (pooled at the last real token of padded rows), from a classifier and from a causal LM
+    with a new head; dropout 0.1 everywhere it exists."""
     path = fx.model_dir(tmp_path / "model", family)
     data = data_for(family, tmp_path, pairs, classes)
     got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes),
@@ -335,14 +336,16 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("qwen3_moe", ["block-dense", "block"]), ("olmoe", ["block", "block"]),
     ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"]),
     ("gpt_oss", ["sliding", "block"]), ("minimax_m2", ["block", "block"]),
-    ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"])])
+    ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"]),
+    ("qwen3_next", ["linear", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
     the down projections) where a checkpoint keeps one Linear per expert (Mixtral's under
     other names): every loaded tensor equals from_pretrained's, and export writes the
     checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek's,
-    GLM-4.5's and dots.llm1's dense layers are a block kind of their own; a routing bias
+    GLM-4.5's and dots.llm1's dense layers are a block kind of their own, as are Qwen3-Next's
+    linear-attention layers; a routing bias
     (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1: a buffer in the library, a tensor in the
     checkpoint) is read and written, and frozen (--freeze may name it).
     gpt-oss's checkpoints keep the stacks (with biases) as the library does."""
@@ -357,7 +360,7 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     state = transformers.AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
     named = {model.family.hf_name(*k): t for k, t in loaded.items()}
     assert set(state) == set(named) and sum(k.endswith("experts.gate_up_proj") for k in named) \
-        == kinds.count("block") + kinds.count("sliding")
+        == sum(k in ("block", "sliding", "linear") for k in kinds)
     for name, t in named.items():
         assert torch.equal(state[name], t), name
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
@@ -582,7 +585,7 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
                 ".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")], v)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "qwen3_next"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
     micro-batch together, padding left out), carried from layer to layer, trains as the
@@ -590,7 +593,7 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     router_aux_loss_coef times the aux_loss it returns (each micro-batch's weighted by its
     share of the batch's loss terms); the loss matters (the routers end elsewhere without it)
     and is left out of an evaluation's loss. Qwen2-MoE: a dense layer passes the totals on;
-    gpt-oss: its router has a bias."""
+    gpt-oss: its router has a bias; Qwen3-Next: a linear-attention layer among them."""
     over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
     path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)

@@ -24,6 +24,7 @@ from .test_hf import data_for
 from .test_launch import LAUNCH
 
 peft = pytest.importorskip("peft")
+
 SEQ = 16
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj"]
 
@@ -182,25 +183,35 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
     assert any(".lora_magnitude_vector" in k for k in got) is lora.get("lora_dora", False)
 
 
-def test_all_linear_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path):
+# lr 1e-3 on Qwen3-Next: at 1e-2 one element of in_proj_qkvz's A ends 3e-4 apart (step 1
+# exact). Its first non-zero gradient (step 2, B having moved once) is ~4e-8, so AdamW's first
+# update, about lr g / (|g| + eps), turns a few % of float noise in g into a few % of lr.
+@pytest.mark.parametrize("family, targets, modules, lr", [
+    ("qwen2_moe", "all-linear", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj", "shared_expert_gate"], 1e-2),
+    ("qwen3_next", "q_proj,v_proj,in_proj_qkvz,out_proj,shared_expert_gate",
+     ["q_proj", "v_proj", "in_proj_qkvz", "out_proj", "shared_expert_gate"], 1e-3),
+    ("qwen3_next", "q_proj,v_proj", ["q_proj", "v_proj"], 1e-3)])
+def test_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path, family, targets, modules, lr):
     """all-linear on Qwen2-MoE adapts what PEFT's all-linear adapts: the attention, the shared
-    expert and its gate (Linear layers), not the router nor the stacked experts; 3 AdamW steps
+    expert and its gate (Linear layers), not the router nor the stacked experts. On Qwen3-Next
+    the linear attention's projections too, and q_proj,v_proj adapts its full-attention layer
+    alone (the linear one has none). (PEFT reads gate_proj, up_proj or down_proj of Qwen3-Next
+    as its experts too, converting them from transformers 4: not compared.) 3 AdamW steps
     through the executor equal PEFT's training from the same adapter."""
     from peft import PeftModel
 
-    path = fx.model_dir(tmp_path / "model", "qwen2_moe")
-    data = data_for("qwen2_moe", tmp_path)
-    lora = {"lora_targets": "all-linear"}
+    path = fx.model_dir(tmp_path / "model", family)
+    data = data_for(family, tmp_path)
+    lora = {"lora_targets": targets}
     cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, **lora)
-    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=lr)
     init = tmp_path / "init"
     _initial_adapter(path, init, **lora)
     config = json.loads((init / "adapter_config.json").read_text())
-    assert config["target_modules"] == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-         "shared_expert_gate"])
+    assert config["target_modules"] == sorted(modules)
     want = _peft_names(train_hf(
-        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=lr,
         wrap=lambda hf: PeftModel.from_pretrained(hf, str(init), is_trainable=True)))
     adapters = [k for k in want if "lora_" in k]
     assert adapters and set(adapters) == {k for k in got if "lora_" in k}

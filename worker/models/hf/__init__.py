@@ -153,9 +153,6 @@ class HfModel(LayeredModel):
                 cfg.lora_dropout, self.config.model_type, cfg.lora_dora)
             stacked = lora.apply_parameters(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_target_parameters)
-            if not found and not cfg.lora_target_parameters.strip():
-                raise ValueError(f"--lora-targets {cfg.lora_targets} matches no linear layer "
-                                 f"of a {self.config.model_type} block")
             self.lora_modules |= found.keys()
             self.lora_fan_in_fan_out |= any(found.values())
             self.lora_stacked.update(stacked)
@@ -171,6 +168,9 @@ class HfModel(LayeredModel):
         manifest = super().manifest()
         if not self.cfg.lora_rank:
             return manifest
+        if not self.lora_modules and not self.cfg.lora_target_parameters.strip():
+            raise ValueError(f"--lora-targets {self.cfg.lora_targets} matches no linear layer "
+                             f"of a {self.config.model_type} block")  # (of any kind of block)
         if self.cfg.lora_target_parameters.strip() and not self.lora_stacked:
             raise ValueError(f"--lora-target-parameters {self.cfg.lora_target_parameters} "
                              f"matches no parameter of a {self.config.model_type} block (e.g. "

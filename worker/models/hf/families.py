@@ -110,6 +110,7 @@ ARCH = {
     "helium": Arch("Helium", "helium"),
     "apertus": Arch("Apertus", "apertus"),
     "arcee": Arch("Arcee", "arcee"),
+    "qwen3_next": Arch("Qwen3Next", "qwen3_next", sliding="layer_types", experts=QWEN),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -137,7 +138,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
                   "glm4_moe", "gpt_oss", "minimax_m2", "deepseek_v2", "dots1", "olmo3",
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "helium", "apertus", "arcee"),
+                  "helium", "apertus", "arcee", "qwen3_next"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
@@ -198,6 +199,11 @@ def max_positions(config) -> int | None:
     return limit
 
 
+# the stage kind of a layer type that is not full attention (Qwen3-Next's linear attention:
+# gated delta rule layers, other parameters, masked by padding alone)
+LAYER_KINDS = {"sliding_attention": "sliding", "linear_attention": "linear"}
+
+
 def block_kinds(config) -> list[str]:
     """The stage kind of each block (blocks of one kind compute alike), by each model's own
     rule: Mistral and Phi-3 slide every layer when ``sliding_window`` is set, Qwen2/3, Gemma 2
@@ -208,8 +214,7 @@ def block_kinds(config) -> list[str]:
     if arch.sliding == "all" and getattr(config, "sliding_window", None) is not None:
         kinds = ["sliding"] * n
     elif arch.sliding == "layer_types" and getattr(config, "layer_types", None):
-        kinds = ["sliding" if t == "sliding_attention" else "block"
-                 for t in config.layer_types[:n]]
+        kinds = [LAYER_KINDS.get(t, "block") for t in config.layer_types[:n]]
     if arch.nope_layers:
         kinds = [k if config.no_rope_layers[i] else f"{k}-nope" for i, k in enumerate(kinds)]
     if arch.experts:
@@ -230,9 +235,9 @@ def make_stage(config, family: Family, kind: str):
                 "head": stages.gpt2_head}[kind](config)
     # a mixture of experts' load-balancing loss (causal LMs that train with it: balance.py)
     balance = balance_of(config, family is DECODER) if arch.experts else None
-    if kind.split("-")[0] in ("block", "sliding"):  # built as the first block of its kind
+    if kind.split("-")[0] in ("block", "sliding", "linear"):  # as the first of its kind
         kinds = block_kinds(config)
-        return stages.DecoderBlock(config, arch, kinds.index(kind), kind.startswith("sliding"),
+        return stages.DecoderBlock(config, arch, kinds.index(kind), kind.split("-")[0],
                                    balance)
     if family is DECODER_CLASSIFIER:
         return {"embed": stages.DecoderEmbed, "head": stages.DecoderClassifier}[kind](config,

@@ -195,9 +195,9 @@ class DecoderBlock(nn.Module):
     causal, or sliding-window for the layers the config says. With a ``balance`` the boundary
     also carries the routing totals, to which a MoE layer adds its router's (balance.py)."""
 
-    def __init__(self, config, arch, layer_idx: int, sliding: bool, balance=None):
+    def __init__(self, config, arch, layer_idx: int, mixer: str = "block", balance=None):
         super().__init__()
-        self.config, self.sliding = config, sliding
+        self.config, self.mixer = config, mixer  # "block", "sliding" or "linear" (attention)
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
         checkpoint_buffers(self.layer)
         self.rotary_emb = arch.cls("RotaryEmbedding")(config)
@@ -211,8 +211,12 @@ class DecoderBlock(nn.Module):
             x, *totals = x
             self.routers.take()  # (what an interrupted call left)
         positions = _positions(x)
-        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = _causal_mask(make_mask, self.config, x, batch, positions)
+        if self.mixer == "linear":  # the 2-D padding mask (create_recurrent_attention_mask's;
+            mask = batch.mask       # all ones where it passes None: the same product)
+        else:
+            make_mask = (create_sliding_window_causal_mask if self.mixer == "sliding"
+                         else create_causal_mask)
+            mask = _causal_mask(make_mask, self.config, x, batch, positions)
         cos_sin = self.rotary_emb(x, positions, *self.rotary_args)
         out = self.layer(x, attention_mask=mask, position_ids=positions,
                          position_embeddings=cos_sin)
