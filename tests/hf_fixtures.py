@@ -97,6 +97,21 @@ DECODERS = {
         linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=24, mlp_only_layers=[],
         layer_types=["linear_attention", "full_attention"], pad_token_id=0, eos_token_id=3)),
+    # Qwen3.5's language models: Qwen3-Next's layers, rotary sections of one position (text)
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]},
+        pad_token_id=0, eos_token_id=3)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]},
+        pad_token_id=0, eos_token_id=3)),
     # gpt-oss: attention sinks, alternate layers slide, YaRN rotary, experts stacked in the
     # checkpoint too (transposed, gate and up interleaved, with biases), a router with a bias
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
@@ -140,6 +155,14 @@ MULTIMODAL = {
         model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
         dict(tie_word_embeddings=False)),
+    "qwen3_5-vlm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]},
+        pad_token_id=0, eos_token_id=3), dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+        patch_size=4, spatial_merge_size=2, temporal_patch_size=2), {}),
 }
 
 

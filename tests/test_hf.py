@@ -31,7 +31,8 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
         tsv = fx.classification_tsv(tmp_path / "train.tsv", pairs=pairs)
         return DataConfig(data=str(tsv), text_column="sentence1" if pairs else "sentence",
                           text_pair_column="sentence2" if pairs else "")
-    if family == "qwen2":  # its tokenizer class would not take the fixture's word vocabulary
+    if family in ("qwen2", "qwen3_5_moe_text", "qwen3_5-vlm"):  # (their tokenizer classes: not
+        # the fixture's word vocabulary)
         return DataConfig(data=str(fx.tokens_bin(tmp_path / "train.bin")))
     return DataConfig(data=str(fx.lm_jsonl(tmp_path / "train.jsonl")))
 
@@ -337,7 +338,7 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"]),
     ("gpt_oss", ["sliding", "block"]), ("minimax_m2", ["block", "block"]),
     ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"]),
-    ("qwen3_next", ["linear", "block"])])
+    ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -507,11 +508,11 @@ def test_an_mxfp4_checkpoint_is_read_dequantized(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm"])
+@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm", "qwen3_5-vlm"])
 def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
-    """Gemma 3 and Mistral 3 (...ForConditionalGeneration): the language model trains on text
-    as the library's text-only causal LM with the same weights trains (dropout 0.1, padding),
-    and export writes the whole multimodal model again (save_pretrained's names, nothing
+    """Gemma 3, Mistral 3 and Qwen3.5 (...ForConditionalGeneration): the language model trains
+    on text as the library's text-only causal LM with the same weights trains (dropout 0.1,
+    padding), and export writes the whole multimodal model again (save_pretrained's names, nothing
     missing or left over): the trained language model, the vision tower and projector as they
     were; a LoRA adapter of it loads with PEFT, which then adapts no part of the vision tower."""
     import shutil

@@ -54,6 +54,7 @@ class Arch:
     experts: ExpertNames | None = None  # a mixture of experts: its checkpoint names (experts.py)
     rotary_by_type: bool = False  # OLMo 3, Gemma 3: a rotary per layer type (local, global)
     classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
+    rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's)
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -111,6 +112,12 @@ ARCH = {
     "apertus": Arch("Apertus", "apertus"),
     "arcee": Arch("Arcee", "arcee"),
     "qwen3_next": Arch("Qwen3Next", "qwen3_next", sliding="layer_types", experts=QWEN),
+    # Qwen3.5's language models (text: their positions are one, whatever the rotary sections)
+    "qwen3_5_text": Arch("Qwen3_5", "qwen3_5", sliding="layer_types", rotary="TextRotaryEmbedding",
+                         classifier="TextForSequenceClassification"),
+    "qwen3_5_moe_text": Arch("Qwen3_5Moe", "qwen3_5_moe", sliding="layer_types", experts=QWEN,
+                             rotary="TextRotaryEmbedding",
+                             classifier="TextForSequenceClassification"),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -138,7 +145,8 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "gemma2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
                   "glm4_moe", "gpt_oss", "minimax_m2", "deepseek_v2", "dots1", "olmo3",
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "helium", "apertus", "arcee", "qwen3_next"),
+                  "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
+                  "qwen3_5_moe_text"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

@@ -1,21 +1,23 @@
 """The language model of a multimodal checkpoint (Gemma 3 from 4B up, Mistral Small 3.1 and
-later: ``...ForConditionalGeneration``), trained on text here as the causal LM its
+later, Qwen3.5: ``...ForConditionalGeneration``), trained on text here as the causal LM its
 ``text_config`` describes. The vision tower and the projector are not trained, not served and
 not held: export copies them from the source as they are, beside the trained language model,
 so the result is the whole multimodal model again.
 
 Names: inside this package the language model has its text model's names (``model.layers.0.``,
 ``lm_head.``). The library keeps it as ``model.language_model.layers.0.`` (PEFT's adapter
-names follow these), and ``save_pretrained`` writes ``language_model.model.layers.0.`` and
-``language_model.lm_head.`` (the LLaVA layout its conversion mapping reverses on save); a
-checkpoint is read in either form.
+names follow these); ``save_pretrained`` writes Gemma 3's and Mistral 3's as
+``language_model.model.layers.0.`` and ``language_model.lm_head.`` (the LLaVA layout their
+conversion mapping reverses on save), Qwen3.5's as the library keeps them. A checkpoint is
+read in either form.
 """
 
 from __future__ import annotations
 
 import copy
 
-TYPES = ("gemma3", "mistral3")
+LLAVA = ("gemma3", "mistral3")  # saved in the LLaVA layout
+TYPES = (*LLAVA, "qwen3_5", "qwen3_5_moe")
 
 
 def of(config):
@@ -43,10 +45,9 @@ class Wrapper:
             return [f"language_model.model.{rest}", f"model.language_model.{rest}"]
         return [f"language_model.{name}", name]
 
-    @staticmethod
-    def saved(name: str) -> str:
+    def saved(self, name: str) -> str:
         """The name save_pretrained writes for the language model's ``name``."""
-        return Wrapper.checkpoint(name)[0]
+        return Wrapper.checkpoint(name)[0 if self.config.model_type in LLAVA else 1]
 
     @staticmethod
     def in_memory(name: str) -> str:

@@ -200,7 +200,7 @@ class DecoderBlock(nn.Module):
         self.config, self.mixer = config, mixer  # "block", "sliding" or "linear" (attention)
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
         checkpoint_buffers(self.layer)
-        self.rotary_emb = arch.cls("RotaryEmbedding")(config)
+        self.rotary_emb = arch.cls(arch.rotary)(config)
         # (OLMo 3, Gemma 3: the rotary of the layer's type, local or global)
         self.rotary_args = (config.layer_types[layer_idx],) if arch.rotary_by_type else ()
         self.balance = balance
