@@ -90,6 +90,17 @@ DECODERS = {
         topk_group=1, moe_intermediate_size=24, first_k_dense_replace=1,
         partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, pad_token_id=0,
         eos_token_id=3)),
+    # LayerNorm heads: Cohere (parallel attention and MLP, q/k norms, scaled logits, tied),
+    # Cohere 2 (its sliding layers rotate, the others do not), StarCoder2 (biases, a window,
+    # embedding and residual dropout)
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(
+        use_qk_norm=True, logit_scale=0.5, pad_token_id=0, bos_token_id=2, eos_token_id=3)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        logit_scale=0.5, pad_token_id=0, bos_token_id=2, eos_token_id=3)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        sliding_window=4, embedding_dropout=0.1, residual_dropout=0.1, bos_token_id=2,
+        eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(

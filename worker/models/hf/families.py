@@ -55,6 +55,9 @@ class Arch:
     rotary_by_type: bool = False  # OLMo 3, Gemma 3: a rotary per layer type (local, global)
     classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
     rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's)
+    norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer" (torch's)
+    logit_scale: bool = False  # Cohere: logits times logit_scale
+    embedding_dropout: bool = False  # StarCoder2: dropout after the embedding
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -111,6 +114,11 @@ ARCH = {
     "helium": Arch("Helium", "helium"),
     "apertus": Arch("Apertus", "apertus"),
     "arcee": Arch("Arcee", "arcee"),
+    "cohere": Arch("Cohere", "cohere", norm="cohere", logit_scale=True),
+    "cohere2": Arch("Cohere2", "cohere2", sliding="layer_types", norm="cohere",
+                    logit_scale=True),
+    "starcoder2": Arch("Starcoder2", "starcoder2", sliding="all", norm="layer",
+                       embedding_dropout=True),
     "qwen3_next": Arch("Qwen3Next", "qwen3_next", sliding="layer_types", experts=QWEN),
     # Qwen3.5's language models (text: their positions are one, whatever the rotary sections)
     "qwen3_5_text": Arch("Qwen3_5", "qwen3_5", sliding="layer_types", rotary="TextRotaryEmbedding",
@@ -146,7 +154,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "glm4_moe", "gpt_oss", "minimax_m2", "deepseek_v2", "dots1", "olmo3",
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
-                  "qwen3_5_moe_text"),
+                  "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

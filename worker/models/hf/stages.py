@@ -128,10 +128,12 @@ class LmHead(nn.Module):
     experts' ``balance`` adds its load-balancing loss in training (balance.py)."""
 
     def __init__(self, norm: nn.Module, norm_name: str, hidden: int, vocab: int,
-                 divisor: float = 1.0, softcap: float | None = None, balance=None):
+                 divisor: float = 1.0, softcap: float | None = None, balance=None,
+                 scale: float = 1.0):
         super().__init__()
         setattr(self, norm_name, norm)
         self.norm_name, self.divisor, self.softcap = norm_name, divisor, softcap
+        self.scale = scale  # (Cohere multiplies the logits)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.balance = balance
 
@@ -141,6 +143,8 @@ class LmHead(nn.Module):
         logits = self.lm_head(getattr(self, self.norm_name)(x))
         if self.divisor != 1.0:
             logits = logits / self.divisor
+        if self.scale != 1.0:
+            logits = logits * self.scale
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         loss, correct = sum_cross_entropy(logits, batch.targets, batch.norm)
@@ -170,11 +174,13 @@ class DecoderEmbed(nn.Module):
         else:
             self.embed_tokens = nn.Embedding(*args)
         self.multiplier = config.embedding_multiplier if arch.multipliers else 1.0
+        self.dropout = nn.Dropout(config.embedding_dropout) if arch.embedding_dropout else None
         self.balance = balance
 
     def forward(self, x, batch):
         x = self.embed_tokens(batch.inputs)
         x = x * self.multiplier if self.multiplier != 1.0 else x
+        x = self.dropout(x) if self.dropout is not None else x
         return self.balance.start(x) if self.balance else x
 
 
@@ -234,7 +240,7 @@ class DecoderClassifier(nn.Module):
 
     def __init__(self, config, arch):
         super().__init__()
-        self.norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = final_norm(config, arch)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.pad = config.pad_token_id
 
@@ -248,8 +254,17 @@ class DecoderClassifier(nn.Module):
         return sum_cross_entropy(self.score(pooled), batch.targets, batch.norm)
 
 
+def final_norm(config, arch) -> nn.Module:
+    """The model's final norm, as the library builds it."""
+    if arch.norm == "cohere":
+        return arch.cls("LayerNorm")(hidden_size=config.hidden_size, eps=config.layer_norm_eps)
+    if arch.norm == "layer":
+        return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    return arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+
+
 def decoder_head(config, arch, balance=None) -> LmHead:
-    norm = arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
-    return LmHead(norm, "norm", config.hidden_size, config.vocab_size,
+    return LmHead(final_norm(config, arch), "norm", config.hidden_size, config.vocab_size,
                   config.logits_scaling if arch.multipliers else 1.0,
-                  config.final_logit_softcapping if arch.softcap else None, balance)
+                  config.final_logit_softcapping if arch.softcap else None, balance,
+                  config.logit_scale if arch.logit_scale else 1.0)
