@@ -101,6 +101,16 @@ DECODERS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
         sliding_window=4, embedding_dropout=0.1, residual_dropout=0.1, bos_token_id=2,
         eos_token_id=3)),
+    # GLM-4 (dense): norms after attention and MLP too, a fused gate/up projection. Its rotary
+    # is whole here: partial, the key bias's unrotated half has no gradient (softmax ignores a
+    # shift every key shares), and AdamW turns float noise there into 1e-5 moves.
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=8, partial_rotary_factor=1.0,
+                                                  pad_token_id=0, eos_token_id=3)),
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=24, first_k_dense_replace=1, pad_token_id=0, bos_token_id=2,
+        eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
@@ -163,6 +173,14 @@ MULTIMODAL = {
         image_size=28, patch_size=14), dict(mm_tokens_per_image=4)),
     "mistral3-vlm": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
         model_type="mistral", head_dim=8, tie_word_embeddings=False), dict(
+        model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
+        dict(tie_word_embeddings=False)),
+    "mistral4-vlm": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+        model_type="mistral4", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=24,
+        first_k_dense_replace=1, tie_word_embeddings=False), dict(
         model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
         dict(tie_word_embeddings=False)),
@@ -232,9 +250,9 @@ def model_dir(path: Path, family: str, seed: int = 0, biases: bool = False, **ov
         tokenizer(path, "lm")
     elif family in MULTIMODAL:
         config_class, model_class, text, vision, own = MULTIMODAL[family]
-        text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                    attention_dropout=0.1, **text)
+        text = {**dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64, attention_dropout=0.1), **text}
         cfg = getattr(tf, config_class)(text_config=text, vision_config=vision, **own, **over)
         model = getattr(tf, model_class)(cfg)
         tokenizer(path, "lm")

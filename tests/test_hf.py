@@ -338,7 +338,8 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("deepseek_v3", ["block-dense", "block"]), ("glm4_moe", ["block-dense", "block"]),
     ("gpt_oss", ["sliding", "block"]), ("minimax_m2", ["block", "block"]),
     ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"]),
-    ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"])])
+    ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"]),
+    ("mistral4", ["block-dense", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -358,7 +359,7 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     assert [k for _, k in model.layer_kinds()[1:-1]] == kinds
     loaded = {(p.name, n): t for p in plan_layout(model.manifest()).layers
               for n, t in model.loader().load(p).items()}
-    state = transformers.AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    state = getattr(transformers, fx.DECODERS[family][1]).from_pretrained(str(path)).state_dict()
     named = {model.family.hf_name(*k): t for k, t in loaded.items()}
     assert set(state) == set(named) and sum(k.endswith("experts.gate_up_proj") for k in named) \
         == sum(k in ("block", "sliding", "linear") for k in kinds)
@@ -508,13 +509,14 @@ def test_an_mxfp4_checkpoint_is_read_dequantized(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm", "qwen3_5-vlm"])
+@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm", "mistral4-vlm", "qwen3_5-vlm"])
 def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
-    """Gemma 3, Mistral 3 and Qwen3.5 (...ForConditionalGeneration): the language model trains
-    on text as the library's text-only causal LM with the same weights trains (dropout 0.1,
-    padding), and export writes the whole multimodal model again (save_pretrained's names, nothing
-    missing or left over): the trained language model, the vision tower and projector as they
-    were; a LoRA adapter of it loads with PEFT, which then adapts no part of the vision tower."""
+    """Gemma 3, Mistral 3 (and Mistral 4 inside it), Qwen3.5 (...ForConditionalGeneration):
+    the language model trains on text as the library's text-only causal LM with the same
+    weights trains (dropout 0.1, padding), and export writes the whole multimodal model again
+    (save_pretrained's names, nothing missing or left over): the trained language model, the
+    vision tower and projector as they were; a LoRA adapter of it loads with PEFT, which then
+    adapts no part of the vision tower."""
     import shutil
 
     from peft import PeftModel
@@ -526,7 +528,7 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     full = getattr(transformers, arch).from_pretrained(str(path))
     text_config = full.config.text_config  # tied as the whole model says (the library's rule)
     text_config.tie_word_embeddings = full.config.tie_word_embeddings
-    text = transformers.AutoModelForCausalLM.from_config(text_config)
+    text = getattr(transformers, families.hf_class(text_config, families.DECODER))(text_config)
     text.model.load_state_dict(full.model.language_model.state_dict())
     text.lm_head.load_state_dict(full.lm_head.state_dict())
     text.save_pretrained(str(tmp_path / "text"))
@@ -569,7 +571,9 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     mixed = getattr(transformers, arch).from_pretrained(str(tmp_path / "own-out")).state_dict()
     assert all(torch.equal(mixed[k], state[k]) for k in state)
 
-    lora = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4))
+    targets = "q_b_proj,kv_b_proj" if family == "mistral4-vlm" else "auto"  # (latent attention)
+    lora = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4,
+                                   lora_targets=targets))
     tensors = {(p.name, n): torch.randn_like(v) / 8 if "lora_B" in n else v
                for p in plan_layout(lora.manifest()).layers
                for n, v in lora.loader().load(p).items()}

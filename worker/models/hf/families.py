@@ -115,6 +115,9 @@ ARCH = {
     "apertus": Arch("Apertus", "apertus"),
     "arcee": Arch("Arcee", "arcee"),
     "cohere": Arch("Cohere", "cohere", norm="cohere", logit_scale=True),
+    "glm4": Arch("Glm4", "glm4"),
+    "mistral4": Arch("Mistral4", "mistral4", experts=STACKED),  # (one Linear per expert,
+    # in the library and its checkpoints alike: names as they are)
     "cohere2": Arch("Cohere2", "cohere2", sliding="layer_types", norm="cohere",
                     logit_scale=True),
     "starcoder2": Arch("Starcoder2", "starcoder2", sliding="all", norm="layer",
@@ -154,7 +157,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "glm4_moe", "gpt_oss", "minimax_m2", "deepseek_v2", "dots1", "olmo3",
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
-                  "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2"),
+                  "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
