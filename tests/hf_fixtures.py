@@ -111,6 +111,16 @@ DECODERS = {
         num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
         moe_intermediate_size=24, first_k_dense_replace=1, pad_token_id=0, bos_token_id=2,
         eos_token_id=3)),
+    # ERNIE 4.5 MoE: a dense first layer, a routing bias, shared experts; GraniteMoE: Granite's
+    # multipliers, its experts stacked under names of its own
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        head_dim=8, moe_num_experts=4, moe_k=2, moe_intermediate_size=24,
+        moe_num_shared_experts=1, moe_layer_start_index=1, use_bias=True, pad_token_id=0,
+        eos_token_id=3)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(

@@ -339,7 +339,8 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("gpt_oss", ["sliding", "block"]), ("minimax_m2", ["block", "block"]),
     ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"]),
     ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"]),
-    ("mistral4", ["block-dense", "block"])])
+    ("mistral4", ["block-dense", "block"]), ("ernie4_5_moe", ["block-dense", "block"]),
+    ("granitemoe", ["block", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -361,14 +362,17 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
               for n, t in model.loader().load(p).items()}
     state = getattr(transformers, fx.DECODERS[family][1]).from_pretrained(str(path)).state_dict()
     named = {model.family.hf_name(*k): t for k, t in loaded.items()}
-    assert set(state) == set(named) and sum(k.endswith("experts.gate_up_proj") for k in named) \
-        == sum(k in ("block", "sliding", "linear") for k in kinds)
+    tied = {"lm_head.weight"} if model.ties() else set()  # (ERNIE 4.5: one stored tensor)
+    assert set(state) - tied == set(named)
+    assert sum(k.endswith("experts.gate_up_proj") for k in named) == sum(
+        k in ("block", "sliding", "linear") for k in kinds)
     for name, t in named.items():
         assert torch.equal(state[name], t), name
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
               if t.group == "frozen"}
     assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith("e_score_correction_bias")}
-    assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1"))
+    assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
+                                       "ernie4_5_moe"))
     if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
         build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
                                 freeze="*.e_score_correction_bias")).manifest()
@@ -590,7 +594,8 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
                 ".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")], v)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "qwen3_next", "granitemoe",
+                                    "ernie4_5_moe"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
     micro-batch together, padding left out), carried from layer to layer, trains as the
@@ -598,7 +603,8 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     router_aux_loss_coef times the aux_loss it returns (each micro-batch's weighted by its
     share of the batch's loss terms); the loss matters (the routers end elsewhere without it)
     and is left out of an evaluation's loss. Qwen2-MoE: a dense layer passes the totals on;
-    gpt-oss: its router has a bias; Qwen3-Next: a linear-attention layer among them."""
+    gpt-oss: its router has a bias; Qwen3-Next: a linear-attention layer among them;
+    GraniteMoE's and ERNIE 4.5's routers."""
     over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
     path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)
@@ -608,7 +614,10 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     assert_close(got, {k: v for k, v in want.items() if k in got})
     plain = fx.model_dir(tmp_path / "plain", family)  # the same weights, no balancing loss
     without = train_hf(str(plain), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
-    router = "model.layers.0.mlp." + ("router" if family == "gpt_oss" else "gate") + ".weight"
+    router = {"gpt_oss": "model.layers.0.mlp.router.weight",
+              "granitemoe": "model.layers.0.block_sparse_moe.router.weight",
+              "ernie4_5_moe": "model.layers.1.mlp.gate.weight"}.get(  # (its layer 0: dense)
+                  family, "model.layers.0.mlp.gate.weight")
     assert not torch.allclose(without[router], want[router], atol=1e-4)
 
     model = build_model(cfg)

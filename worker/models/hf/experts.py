@@ -9,7 +9,9 @@ The library keeps a MoE layer's experts as two stacked tensors, ``mlp.experts.ga
 This is the library's conversion mapping (transformers/conversion_mapping.py) for these types,
 applied as it loads and reversed as it saves; a checkpoint already in the stacked form is read
 as it is. gpt-oss's checkpoints keep the library's stacks (``STACKED``: experts x hidden x
-2*intermediate, gate and up interleaved, with biases), read and written as they are.
+2*intermediate, gate and up interleaved, with biases), read and written as they are, as do
+Mistral 4's; GraniteMoE's keep them under names of their own, and ERNIE 4.5 its routing bias
+(``renames``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ class ExpertNames:
     up: str
     down: str
     per_expert: bool = True  # False: checkpoints keep the library's stacks (gpt-oss)
+    # (the library's, the checkpoint's) parts of names that differ, the tensor the same:
+    # GraniteMoE's stacks and router, ERNIE 4.5's routing bias
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def _renamed(self, name: str, back: bool = False) -> str | None:
+        for ours, theirs in self.renames:
+            old, new = (theirs, ours) if back else (ours, theirs)
+            if old in name:
+                return name.replace(old, new, 1)
+        return None
 
     def _expert(self, prefix: str, e: int, proj: str) -> str:
         return f"{prefix}{self.module}.experts.{e}.{proj}.weight"
@@ -37,6 +49,8 @@ class ExpertNames:
              ) -> torch.Tensor | None:
         """The library's tensor ``name`` (``shape``) from a checkpoint's per-expert tensors
         (``get``: a checkpoint tensor by name, None if absent); None if it has none."""
+        if (renamed := self._renamed(name)) is not None:
+            return get(renamed)
         if not self.per_expert:
             return None
         if name.endswith((GATE_UP, DOWN)):
@@ -57,6 +71,8 @@ class ExpertNames:
     def write(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors for the library's tensor ``name`` (as save_pretrained
         writes them)."""
+        if (renamed := self._renamed(name)) is not None:
+            return [(renamed, t)]
         if not self.per_expert:
             return [(name, t)]
         if name.endswith(GATE_UP):
@@ -76,13 +92,25 @@ class ExpertNames:
 MIXTRAL = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 STACKED = ExpertNames("mlp", "", "", "", per_expert=False)
+ERNIE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
+    ("mlp.gate.moe_statics.", "mlp.moe_statics."),))
+GRANITE = ExpertNames("block_sparse_moe", "", "", "", per_expert=False, renames=(
+    ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
+    ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
+    ("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight")))
 
 
 def sparse_layers(config) -> list[bool]:
     """Which layers are MoE: Qwen-MoE's dense layers are those ``mlp_only_layers`` lists and
     those ``decoder_sparse_step`` skips, DeepSeek-V3's and GLM-4.5's the first
-    ``first_k_dense_replace`` (the library's rules); the others' layers all are."""
+    ``first_k_dense_replace``, ERNIE 4.5's those outside its start, end and interval (the
+    library's rules); the others' layers all are."""
     n = config.num_hidden_layers
+    start = getattr(config, "moe_layer_start_index", None)  # ERNIE 4.5
+    if start is not None:
+        end = n - 1 if config.moe_layer_end_index == -1 else config.moe_layer_end_index
+        return [(i + 1) % config.moe_layer_interval == 0 and start <= i <= end
+                for i in range(n)]
     first = getattr(config, "first_k_dense_replace", None)
     if first is not None:
         return [i >= first for i in range(n)]

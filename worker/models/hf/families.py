@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import stages
 from .balance import balance_of
-from .experts import MIXTRAL, QWEN, STACKED, ExpertNames, sparse_layers
+from .experts import ERNIE, GRANITE, MIXTRAL, QWEN, STACKED, ExpertNames, sparse_layers
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class Arch:
     norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer" (torch's)
     logit_scale: bool = False  # Cohere: logits times logit_scale
     embedding_dropout: bool = False  # StarCoder2: dropout after the embedding
+    head_bias: bool = False  # ERNIE 4.5: the LM head has a bias when config.use_bias says
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -116,8 +117,10 @@ ARCH = {
     "arcee": Arch("Arcee", "arcee"),
     "cohere": Arch("Cohere", "cohere", norm="cohere", logit_scale=True),
     "glm4": Arch("Glm4", "glm4"),
-    "mistral4": Arch("Mistral4", "mistral4", experts=STACKED),  # (one Linear per expert,
-    # in the library and its checkpoints alike: names as they are)
+    "ernie4_5_moe": Arch("Ernie4_5_Moe", "ernie4_5_moe", experts=ERNIE, head_bias=True),
+    "granitemoe": Arch("GraniteMoe", "granitemoe", multipliers=True, experts=GRANITE),
+    # (Mistral 4's checkpoints keep the library's stacks: no conversion in transformers)
+    "mistral4": Arch("Mistral4", "mistral4", experts=STACKED),
     "cohere2": Arch("Cohere2", "cohere2", sliding="layer_types", norm="cohere",
                     logit_scale=True),
     "starcoder2": Arch("Starcoder2", "starcoder2", sliding="all", norm="layer",
@@ -157,7 +160,8 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "glm4_moe", "gpt_oss", "minimax_m2", "deepseek_v2", "dots1", "olmo3",
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
-                  "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4"),
+                  "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4",
+                  "ernie4_5_moe", "granitemoe"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

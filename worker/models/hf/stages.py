@@ -129,12 +129,12 @@ class LmHead(nn.Module):
 
     def __init__(self, norm: nn.Module, norm_name: str, hidden: int, vocab: int,
                  divisor: float = 1.0, softcap: float | None = None, balance=None,
-                 scale: float = 1.0):
+                 scale: float = 1.0, bias: bool = False):
         super().__init__()
         setattr(self, norm_name, norm)
         self.norm_name, self.divisor, self.softcap = norm_name, divisor, softcap
         self.scale = scale  # (Cohere multiplies the logits)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head = nn.Linear(hidden, vocab, bias=bias)
         self.balance = balance
 
     def forward(self, x, batch):
@@ -267,4 +267,5 @@ def decoder_head(config, arch, balance=None) -> LmHead:
     return LmHead(final_norm(config, arch), "norm", config.hidden_size, config.vocab_size,
                   config.logits_scaling if arch.multipliers else 1.0,
                   config.final_logit_softcapping if arch.softcap else None, balance,
-                  config.logit_scale if arch.logit_scale else 1.0)
+                  config.logit_scale if arch.logit_scale else 1.0,
+                  arch.head_bias and config.use_bias)
