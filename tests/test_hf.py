@@ -204,7 +204,8 @@ def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
     from_pretrained in bf16 keeps them fp32, and so does save_pretrained; --save-dtype bf16
     writes every tensor in the dtype save_pretrained writes it, the shard index's total size
     too, and the bias and router weight unrounded. The bias, frozen, comes as a job with bf16
-    compute has it, its bf16 copy: the export writes the source's fp32 value."""
+    compute has it, its bf16 copy: the export writes the source's fp32 value (without the
+    source's weights, the value as served)."""
     import json
 
     from protocol.safetensors_io import SafetensorsFile
@@ -244,6 +245,14 @@ def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
         want = t if key in kept else t.bfloat16()
         if key in loaded:  # (experts: one tensor each in the files, stacked when loaded)
             assert torch.equal(loaded[key], want), key
+
+    (path / "model.safetensors").unlink()  # the source's weights gone: written as served
+    model.export(str(tmp_path / "again"), {**trained, **{
+        k: source[k].bfloat16().float() for k in bias}}, {})
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"),
+                                                              dtype="auto").state_dict()
+    key = model.family.hf_name(*bias[0])
+    assert torch.equal(again[key], source[bias[0]].bfloat16().float())
 
 
 def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeypatch):

@@ -143,10 +143,11 @@ def unrounded(model, tensors: dict[tuple[str, str], torch.Tensor]) -> dict:
                        if s.group == "frozen" and (plan.name, s.name) in tensors)
         if not frozen:
             continue
-        source = source or HfCheckpoint(model)
         try:
+            source = source or HfCheckpoint(model)
             values = source.load(replace(plan, tensors=frozen))
-        except ValueError:  # (not in this source: keep what was served)
+        except ValueError as e:  # (no source weights, or not these: keep what was served)
+            log.warning("frozen tensors of %s written as served: %s", plan.name, e)
             continue
         for slot in frozen:
             given, exact = tensors[(plan.name, slot.name)], values[slot.name]
