@@ -260,7 +260,7 @@ class Layout:
 
     @property
     def frozen(self) -> bool:
-        """Some tensor is frozen: the master holds the trainable prefixes only."""
+        """Some tensor is frozen (the master trains the trainable prefixes only)."""
         return any(p.trainable < p.numel for p in self.layers)
 
     def nbytes(self, dtype: str) -> int:

@@ -139,16 +139,16 @@ def unrounded(model, tensors: dict[tuple[str, str], torch.Tensor]) -> dict:
     fp32 checkpoint's, an FP8 one's dequantized). Anything else is kept as given."""
     out, source = dict(tensors), None
     for plan in plan_layout(model.manifest()).layers:
-        frozen = tuple(s for s in plan.tensors
-                       if s.group == "frozen" and (plan.name, s.name) in tensors)
+        frozen = tuple(s for s in plan.tensors if s.group == "frozen" and _rounded(
+            tensors.get((plan.name, s.name))))  # (else nothing to read: fp32 compute)
         if not frozen:
             continue
         try:
             source = source or HfCheckpoint(model)
             values = source.load(replace(plan, tensors=frozen))
-        except ValueError as e:  # (no source weights, or not these: keep what was served)
-            log.warning("frozen tensors of %s written as served: %s", plan.name, e)
-            continue
+        except (ValueError, OSError) as e:  # (no source weights, or not these)
+            log.warning("frozen tensors written as served: %s", e)
+            return out
         for slot in frozen:
             given, exact = tensors[(plan.name, slot.name)], values[slot.name]
             if exact.dtype == torch.float32 and given.dtype == torch.float32 and any(
@@ -156,6 +156,12 @@ def unrounded(model, tensors: dict[tuple[str, str], torch.Tensor]) -> dict:
                     for d in (torch.bfloat16, torch.float16)):
                 out[(plan.name, slot.name)] = exact
     return out
+
+
+def _rounded(t: torch.Tensor | None) -> bool:
+    """An fp32 tensor whose values a bf16 or fp16 one holds (a 16-bit served copy's)."""
+    return t is not None and t.dtype == torch.float32 and any(
+        torch.equal(t.to(d).float(), t) for d in (torch.bfloat16, torch.float16))
 
 
 def kept_in_fp32(config, names: list[str]) -> set[str]:
