@@ -300,9 +300,9 @@ class EpsCore:
         if done.error is not None:
             return [error_out(who.peer, who.req_id, "internal",
                               f"{type(done.error).__name__}: {done.error}")]
-        if not done.result:
+        if done.result:  # (why the values are refused)
             return [error_out(who.peer, who.req_id, "bad_request", f"initial values of layer "
-                              f"{job.layer} are not all finite", "frames")]
+                              f"{job.layer} {done.result}", "frames")]
         return [Out(who.peer, Ack(req_id=who.req_id)), *self.data.publish(job.layer, 0)]
 
     def _complete(self, done: Done) -> list[Out]:

@@ -30,7 +30,7 @@ from .boxes import CrossBox
 from .buffers import BufferPool
 from .config import OptimizerConfig
 from .jobs import Action, Done, Exclusive, Init, Resolve, Update, Updated, Verdict
-from .layer_math import Checked, LayerMath, all_finite
+from .layer_math import FP16_OVERFLOW, Checked, LayerMath, all_finite, largest
 from .layer_store import LayerStore
 from .optimizers import make_optimizer
 from .pool import MathPool
@@ -161,11 +161,15 @@ class Engines:
 
     # -- the jobs -------------------------------------------------------------------------
 
-    def _init(self, job: Init) -> bool:
+    def _init(self, job: Init) -> str:
+        """Writes the layer's initial values; returns why they are refused ("" if not)."""
         if not all_finite(job.data) or (job.tail is not None and not all_finite(job.tail)):
-            return False
+            return "are not all finite"
+        if self.store.compute_dtype == "float16" and (big := largest(job.data)) >= FP16_OVERFLOW:
+            return (f"reach {big:.6g}, beyond float16's range (65504): --precision fp16 cannot "
+                    "serve them (bf16 can)")
         self.store.write_initial(job.layer, job.data, job.tail)
-        return True
+        return ""
 
     def _update(self, job: Update) -> Updated:
         if self.boxes is None:

@@ -68,9 +68,9 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class Init:
-    """Write a layer's initial values (refused if not all finite): fp32, whole, or ``tail``
-    its frozen tensors in the compute dtype after ``data``, its trainable prefix. Result:
-    bool."""
+    """Write a layer's initial values (refused if not all finite, or if fp16 compute cannot
+    hold them): fp32, whole, or ``tail`` its frozen tensors in the compute dtype after
+    ``data``, its trainable prefix. Result: why they are refused ("" if not)."""
 
     layer: int
     data: torch.Tensor

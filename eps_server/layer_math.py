@@ -123,6 +123,17 @@ class LayerMath:
             self.buffers.give(kept)
 
 
+FP16_OVERFLOW = 65520.0  # the smallest magnitude float16 rounds to inf (65504 is its largest)
+
+
+def largest(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (0 if empty)."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi))
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """True if every element is finite: then so are the smallest and the largest (min and max
     propagate NaN). Exact, nothing to overflow (initial values; the kernels check gradients)."""

@@ -22,9 +22,11 @@ CHUNK = 64 << 20  # bytes written at once (with ``digest``: hashed while the nex
 
 
 def written_dtype(t: torch.Tensor, dtype: torch.dtype | None, kept: bool = False) -> torch.dtype:
-    """The dtype ``t`` is written in: ``dtype`` for a floating-point tensor not ``kept``, else
-    its own."""
-    return dtype if dtype is not None and t.is_floating_point() and not kept else t.dtype
+    """The dtype ``t`` is written in: a floating-point tensor's is ``dtype`` (None: its own),
+    or fp32 if ``kept``; another tensor's its own."""
+    if dtype is None or not t.is_floating_point():
+        return t.dtype
+    return torch.float32 if kept else dtype
 
 
 def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
@@ -36,7 +38,7 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, torch.Tensor]],
     thread of its own (hashing and the writes release the GIL: they overlap, and the file is
     not read back); the tensors must not change until it returns. ``dtype``: floating-point
     tensors are written in it (rounded to nearest), one tensor converted at a time, but for
-    the names in ``keep`` (written in their own dtype)."""
+    the names in ``keep`` (written in fp32)."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

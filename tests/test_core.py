@@ -59,6 +59,7 @@ from protocol.messages import (
     Status,
 )
 from protocol.tensors import LayerSpec, Manifest, TensorSpec, plan_layout, views
+from worker.models.loaders import init_frame
 
 MANIFEST = Manifest(layers=tuple(
     LayerSpec(name=f"l{i}", kind="k", tensors=(TensorSpec(name="w", shape=(4, 8)),
@@ -408,6 +409,37 @@ def test_frozen_tensors_may_come_in_the_compute_dtype(make):
     assert torch.equal(h.master(0, 0), torch.cat([head, tail.float()]))
     served = h.master(0, 0, which="compute").view(torch.bfloat16)
     assert torch.equal(served, torch.cat([head.bfloat16(), tail]))
+
+
+def test_fp16_compute_refuses_initial_values_it_would_serve_as_inf(make):
+    """With fp16 compute a value float16 rounds to inf (|x| >= 65520) is refused with the
+    reason, and nothing is initialised; 65519 (served as 65504) is taken. The worker names a
+    frozen tensor that overflows before it sends its frame."""
+    h = make(1, manifest=FROZEN, precision="fp16")
+    h.hello(0)
+    plan = h.layout.layers[0]
+
+    def init(req_id, big):
+        values = torch.zeros(plan.numel)
+        values[3] = big
+        h.send(0, InitLayer(req_id=req_id, layer=0), [values.numpy().tobytes()])
+        h.poll()
+        return h.take(0, req_id)
+
+    refused = error(init(1, -65520.0))
+    assert "beyond float16's range" in refused.message and refused.field == "frames"
+    assert h.core.store.versions[0] == -1
+    assert isinstance(init(2, 65519.0).msg, Ack)
+    assert h.core.store.compute(0)[3] == 65504
+
+    class Source:
+        def load(self, plan):
+            return {"w": torch.ones(4, 8), "f": torch.full((64, 8), 7e4)}
+
+    frame = torch.empty(4 * plan.numel, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"l0\.f \(frozen\).*float16's range"):
+        init_frame(Source(), plan, frame, torch.float16)
+    init_frame(Source(), plan, frame, torch.bfloat16)  # (bf16 has fp32's range)
 
 
 def test_save_holds_the_next_step_until_written(make, tmp_path):

@@ -255,6 +255,40 @@ def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
     assert torch.equal(again[key], source[bias[0]].bfloat16().float())
 
 
+@pytest.mark.parametrize("family, sub", [
+    ("qwen3_moe", "Qwen3MoeModel"), ("qwen3_5-vlm", "Qwen3_5TextModel")])
+def test_a_bf16_export_keeps_what_a_sub_model_keeps_in_fp32(tmp_path, monkeypatch, family, sub):
+    """The library gathers the fp32-kept modules of the models a class holds (its base model,
+    a multimodal model's language model): a bf16 export writes each tensor in the dtype
+    save_pretrained writes it. A vision tower's tensors, from the bf16 source, come out fp32
+    where kept."""
+    from protocol.safetensors_io import SafetensorsFile
+    from protocol.tensors import plan_layout
+
+    monkeypatch.setattr(getattr(transformers, sub), "_keep_in_fp32_modules_strict",
+                        ["input_layernorm", "patch_embed"])
+    path = fx.model_dir(tmp_path / "model", family)
+    cls = getattr(transformers, {**fx.DECODERS, **fx.MULTIMODAL}[family][1])
+    hf = cls.from_pretrained(str(path), dtype=torch.bfloat16)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    if family.endswith("-vlm"):  # (a bf16 source: the vision tower is copied from it)
+        cls.from_pretrained(str(path)).to(torch.bfloat16).save_pretrained(str(path))
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, save_dtype="bf16"))
+    tensors = {(p.name, n): t for p in plan_layout(model.manifest()).layers
+               for n, t in model.loader().load(p).items()}
+    model.export(str(tmp_path / "out"), tensors, {})
+
+    def dtypes(root):
+        f = SafetensorsFile(str(root / "model.safetensors"))
+        return {name: f.get(name).dtype for name in f.keys()}
+
+    ours = dtypes(tmp_path / "out")
+    assert ours == dtypes(tmp_path / "hf")
+    kept = {n for n, d in ours.items() if d == torch.float32}
+    assert any("input_layernorm" in n for n in kept)
+    assert family == "qwen3_moe" or any("patch_embed" in n for n in kept)
+
+
 def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeypatch):
     """A bf16 source (as published models are) trained in fp32: the default export is the fp32
     master, and its config says so, so that from_pretrained (dtype "auto") loads it unrounded;
@@ -327,15 +361,18 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     monkeypatch.undo()
 
     dead = subprocess.Popen(["true"])
-    dead.wait()  # an export killed mid-write left its temporary files (a live one's stay)
-    left = [f".model-00001-of-00002.safetensors.partial-{dead.pid}.tmp-{dead.pid}",
-            f"model.safetensors.index.json.partial-{dead.pid}"]
-    live = f".model.safetensors.partial-{os.getppid()}"
-    for name in [*left, live]:
+    dead.wait()  # an export killed mid-write left its temporary files (a live one's stay,
+    host = shards._host()  # and so do another host's: its pids are not ours)
+    left = [f".model-00001-of-00002.safetensors.partial-{dead.pid}-{host}.tmp-{dead.pid}",
+            f"model.safetensors.index.json.partial-{dead.pid}.tmp-{dead.pid}"]
+    stay = [f".model.safetensors.partial-{os.getppid()}-{host}",
+            f".model.safetensors.partial-{dead.pid}-other.host"]
+    for name in [*left, *stay]:
         (out / name).write_bytes(b"x")
     want, got, _ = export(out)  # one file again: the shards and their index go
     assert sorted(f.name for f in out.glob("model*")) == ["model.safetensors"]
-    assert not any((out / name).exists() for name in left) and (out / live).exists()
+    assert not any((out / name).exists() for name in left)
+    assert all((out / name).exists() for name in stay)
     assert all(torch.equal(got[k], v) for k, v in want.items())
     with pytest.raises(ValueError, match="save-max-shard-size"):
         ModelConfig(model=f"hf:{fp32}", save_max_shard_size="lots")

@@ -115,6 +115,39 @@ def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path, precis
                                    adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
 
 
+def test_an_export_writes_the_frozen_base_the_job_started_from(tmp_path):
+    """With 16-bit compute the EPS keeps a frozen base only as its rounding: --merge writes
+    the exact values the job started from (--init-from's here, not the checkpoint's), and
+    lets go of each served copy as it replaces it (a merged base is not held twice)."""
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from protocol.safetensors_io import write_safetensors
+
+    path = fx.model_dir(tmp_path / "model", "llama")
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, merge=True)
+    model, start = build_model(cfg), {}
+    for plan in plan_layout(model.manifest()).layers:
+        frozen = {s.name for s in plan.tensors if s.group == "frozen"}
+        start.update({(plan.name, n): v * 1.01 if n in frozen else v
+                      for n, v in model.loader().load(plan).items()})
+    write_safetensors(str(tmp_path / "init.safetensors"),
+                      [(f"{layer}.{n}", v) for (layer, n), v in start.items()])
+    model = build_model(dataclasses.replace(cfg, init_from=str(tmp_path / "init.safetensors")))
+    frozen = {(p.name, s.name) for p in plan_layout(model.manifest()).layers
+              for s in p.tensors if s.group == "frozen"}
+    tensors = {k: v.bfloat16().float() if k in frozen else v for k, v in start.items()}
+    served = [weakref.ref(tensors[k]) for k in frozen]
+    assert any(not torch.equal(tensors[k], start[k]) for k in frozen)
+    model.export(str(tmp_path / "merged"), tensors, {})
+    assert not any(ref() for ref in served)
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).state_dict()
+    names = {model.family.hf_name(layer, n): (layer, n) for layer, n in frozen}
+    assert all(torch.equal(merged[k], start[names[k]]) for k in names if k in merged)
+    assert len([k for k in names if k in merged]) >= len(frozen) - 1  # (a tied head, once)
+
+
 def _peft_names(state: dict) -> dict:
     """A PEFT model's state dict under the library model's names (its wrappers' parts
     dropped: the trained copy of a module to save stands for the module)."""

@@ -88,7 +88,7 @@ SAMPLES = {
     Error: st.builds(Error, req_id=ids, code=st.sampled_from(ERROR_CODES),
                      message=st.text(max_size=50), field=st.text(max_size=20)),
     Ack: st.builds(Ack, req_id=ids),
-    InitLayer: st.builds(InitLayer, req_id=ids, layer=small),
+    InitLayer: st.builds(InitLayer, req_id=ids, layer=small, frozen_dtype=dtypes),
     Fetch: st.builds(Fetch, req_id=ids, layer=small, min_version=small,
                      which=st.sampled_from(["compute", "master", "trained"])),
     LayerReady: st.builds(LayerReady, req_id=ids, layer=small, version=small,
@@ -174,6 +174,7 @@ FETCH = dict(req_id=1, layer=0, min_version=0)
     ([b"\x06", body(req_id=-5, layer=0, min_version=0)], "req_id"),
     ([b"\x06", body(**FETCH), b"unexpected tensor"], "frames"),
     ([b"\x05", body(req_id=1, layer=0)], "frames"),  # InitLayer needs its tensor frame
+    ([b"\x05", body(req_id=1, layer=0, frozen_dtype="int8"), b"\0" * 4], "frozen_dtype"),
     ([b"\x01", body(req_id=1, protocol_version=1, rank=3, world_size=2, manifest_hash="")],
      "rank"),
     ([b"\x01", body(req_id=1, protocol_version=1, rank=0, world_size=1, manifest_hash="",

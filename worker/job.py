@@ -124,11 +124,14 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
                                                  which="trained" if trained else "master"))
         views = named_views(layer_view(regions, plan, ready, frames, trained), plan,
                             names if trained else None)
-        whole = len(names) == len(plan.tensors)
-        if whole:
+        # Views of the whole layer, but copies of a part of it, or of a received frame with
+        # frozen tensors (an export may replace them with their exact values, unrounded: the
+        # frame is let go then, not held beside them).
+        share = len(names) == len(plan.tensors) and not (frames and frozen & set(names))
+        if share:
             keep.append(frames)  # frames must outlive the views written below
         for name in names:
-            tensors[plan.name, name] = views[name] if whole else views[name].clone()
+            tensors[plan.name, name] = views[name] if share else views[name].clone()
     model.export(path, tensors, metadata)
 
 

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def frombuffer(buf, dtype: torch.dtype) -> torch.Tensor:
+    if memoryview(buf).nbytes == 0:  # (torch.frombuffer refuses an empty buffer)
+        return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers are never written
         return torch.frombuffer(buf, dtype=dtype)

@@ -70,5 +70,10 @@ def init_frame(loader, plan: LayerPlan, out: torch.Tensor, frozen: torch.dtype) 
     for s in plan.tensors:
         part, at = (head, s.offset) if s.offset < plan.trainable else (
             tail, s.offset - plan.trainable)
-        part[at:at + s.numel].view(s.shape).copy_(values[s.name])
+        view = part[at:at + s.numel].view(s.shape)
+        view.copy_(values[s.name])
+        if part is tail and frozen == torch.float16 and not bool(view.isfinite().all()) and bool(
+                values[s.name].isfinite().all()):
+            raise ValueError(f"{plan.name}.{s.name} (frozen) has values beyond float16's range "
+                             "(65504): --precision fp16 cannot serve it (bf16 can)")
     return frame

@@ -310,22 +310,23 @@ def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
            fan_in_fan_out: bool = False, stacked: dict | None = None) -> dict:
     """The base weights with each adapter folded in (W + s * B @ A; with DoRA's magnitude m,
     m / ||W + s B A||_row * (W + s B A); a ``Conv1D``'s weight, ``fan_in_fan_out``, is
-    transposed to that and back), the adapter left out."""
-    out = {k: v for k, v in tensors.items() if not is_adapter(k[1])}
-    for (layer, name), a in tensors.items():
+    transposed to that and back), the adapter left out: ``tensors`` in place, each base weight
+    let go as its merged value replaces it."""
+    adapters = {k: tensors.pop(k) for k in [k for k in tensors if is_adapter(k[1])]}
+    for (layer, name), a in adapters.items():
         if name.endswith(".lora_A.weight"):
             prefix = adapted(name)
+            b = adapters[layer, prefix + ".lora_B.weight"]
             if prefix in (stacked or {}):  # an expert stack's (apply_parameters)
                 param, transposed = stacked[prefix]
-                lhs, rhs = expert_delta(a, tensors[layer, prefix + ".lora_B.weight"],
-                                        out[layer, param].shape[0], transposed)
-                out[layer, param] = torch.baddbmm(out[layer, param], lhs, rhs, alpha=scaling)
+                lhs, rhs = expert_delta(a, b, tensors[layer, param].shape[0], transposed)
+                tensors[layer, param] = torch.baddbmm(tensors[layer, param], lhs, rhs,
+                                                      alpha=scaling)
                 continue
-            w = out[layer, prefix + ".weight"]
-            w = (w.T if fan_in_fan_out else w) + scaling * (
-                tensors[layer, prefix + ".lora_B.weight"] @ a)
-            magnitude = tensors.get((layer, prefix + MAGNITUDE))
+            w = tensors[layer, prefix + ".weight"]
+            w = (w.T if fan_in_fan_out else w) + scaling * (b @ a)
+            magnitude = adapters.get((layer, prefix + MAGNITUDE))
             if magnitude is not None:
                 w = (magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1) * w
-            out[layer, prefix + ".weight"] = w.T if fan_in_fan_out else w
-    return out
+            tensors[layer, prefix + ".weight"] = w.T if fan_in_fan_out else w
+    return tensors

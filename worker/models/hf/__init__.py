@@ -244,6 +244,7 @@ class HfModel(LayeredModel):
         return config
 
     def export(self, path: str, tensors: dict, metadata: dict) -> None:
+        """(``tensors`` is consumed: frozen values and merged weights replace it in place.)"""
         cfg = self.cfg
         if not cfg.lora_rank:
             return export(self, path, unrounded(self, tensors))

@@ -133,29 +133,34 @@ def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
 
 
 def unrounded(model, tensors: dict[tuple[str, str], torch.Tensor]) -> dict:
-    """``tensors`` with each frozen one as the source holds it where the given value is its
-    rounding to bf16 or fp16: with 16-bit compute the EPS keeps a frozen tensor (a LoRA base,
-    --freeze, a routing bias) only as its served copy, and the source is its exact value (an
-    fp32 checkpoint's, an FP8 one's dequantized). Anything else is kept as given."""
-    out, source = dict(tensors), None
-    for plan in plan_layout(model.manifest()).layers:
-        frozen = tuple(s for s in plan.tensors if s.group == "frozen" and _rounded(
-            tensors.get((plan.name, s.name))))  # (else nothing to read: fp32 compute)
-        if not frozen:
-            continue
-        try:
-            source = source or HfCheckpoint(model)
-            values = source.load(replace(plan, tensors=frozen))
-        except (ValueError, OSError) as e:  # (no source weights, or not these)
-            log.warning("frozen tensors written as served: %s", e)
-            return out
-        for slot in frozen:
-            given, exact = tensors[(plan.name, slot.name)], values[slot.name]
-            if exact.dtype == torch.float32 and given.dtype == torch.float32 and any(
-                    torch.equal(exact.to(d).float(), given)
-                    for d in (torch.bfloat16, torch.float16)):
-                out[(plan.name, slot.name)] = exact
-    return out
+    """``tensors``, in place, with each frozen one as the job's initial weights hold it where
+    the given value is its rounding to bf16 or fp16: with 16-bit compute the EPS keeps a frozen
+    tensor (a LoRA base, --freeze, a routing bias) only as its served copy, and the source (the
+    checkpoint, an FP8 one's dequantized, or --init-from) has its exact value. Anything else is
+    kept as given; a replaced tensor is let go at once (a merged base is not held twice)."""
+    loader = None
+    try:
+        for plan in plan_layout(model.manifest()).layers:
+            frozen = tuple(s for s in plan.tensors if s.group == "frozen" and _rounded(
+                tensors.get((plan.name, s.name))))  # (else nothing to read: fp32 compute)
+            if not frozen:
+                continue
+            try:
+                loader = loader or model.loader()
+                values = loader.load(replace(plan, tensors=frozen))
+            except (ValueError, OSError) as e:  # (no source weights, or not these)
+                log.warning("frozen tensors written as served: %s", e)
+                return tensors
+            for slot in frozen:
+                key, exact = (plan.name, slot.name), values[slot.name]
+                if exact.dtype == torch.float32 and any(
+                        torch.equal(exact.to(d).float(), tensors[key])
+                        for d in (torch.bfloat16, torch.float16)):
+                    tensors[key] = exact
+    finally:
+        if loader is not None:
+            model.drop_loader()  # (its files stay mapped only while they are read)
+    return tensors
 
 
 def _rounded(t: torch.Tensor | None) -> bool:
@@ -166,19 +171,38 @@ def _rounded(t: torch.Tensor | None) -> bool:
 
 def kept_in_fp32(config, names: list[str]) -> set[str]:
     """The tensors among ``names`` that ``from_pretrained`` in ``config.dtype`` keeps in fp32
-    (the class's ``_keep_in_fp32_modules_strict``, e.g. a router's weight and bias, and with
-    fp16 ``_keep_in_fp32_modules``): save_pretrained then writes them in fp32, and so does
-    the export."""
-    import transformers
-
-    cls = getattr(transformers, (config.architectures or [""])[0], None)
-    modules = set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
-    if config.dtype == torch.float16:
-        modules |= set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    if config.dtype not in (torch.float16, torch.bfloat16) or not modules:
+    (``_keep_in_fp32_modules_strict``, e.g. a router's weight and bias, and with fp16
+    ``_keep_in_fp32_modules``, of the class and of its sub-models, as the library gathers
+    them): save_pretrained then writes them in fp32, and so does the export."""
+    if config.dtype not in (torch.float16, torch.bfloat16):
+        return set()
+    modules = set()
+    for cls in _model_classes(config):
+        modules |= set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+        if config.dtype == torch.float16:
+            modules |= set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    if not modules:
         return set()
     pattern = re.compile("|".join(re.escape(m).replace(r"\*", ".*") for m in sorted(modules)))
     return {n for n in names if pattern.search(n)}
+
+
+def _model_classes(config) -> list[type]:
+    """The checkpoint's class and the models it holds (post_init gathers its children's
+    lists): its base model, and each sub-config's (a multimodal model's language model)."""
+    import transformers
+
+    top = getattr(transformers, (config.architectures or [""])[0], None)
+    classes, configs = [top] if top else [], [config]
+    while configs:
+        c = configs.pop()
+        try:
+            classes.append(transformers.MODEL_MAPPING[type(c)])
+        except KeyError:
+            pass
+        configs += [sub for k in getattr(c, "sub_configs", {})
+                    if isinstance(sub := getattr(c, k, None), transformers.PretrainedConfig)]
+    return classes
 
 
 def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> None:

@@ -9,7 +9,8 @@ index last), and the files of an earlier export that the new one does not overwr
 removed: a failed write removes what it wrote and leaves the earlier export's weights as they
 were. (The config is written after the weights: an export interrupted between the two leaves
 new weights beside the earlier config.) An export killed while it writes leaves its temporary
-files; the next export into the directory removes them.
+files; the next export into the directory from the same host removes them (a process is
+judged alive or gone only on its own host: containers may share the directory).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from collections.abc import Collection
 
 import torch
@@ -26,8 +28,18 @@ from protocol.safetensors_io import write_safetensors, written_dtype
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# what an export writes under a temporary name, with its pid (write_safetensors adds .tmp-)
-PARTIAL = re.compile(r"\.?model[^/]*\.partial-(\d+)(?:\.tmp-\d+)?")
+# what an export writes under a temporary name, with its pid and host (write_safetensors
+# adds .tmp-<pid>)
+PARTIAL = re.compile(r"\.?model[^/]*\.partial-(\d+)(?:-([A-Za-z0-9_.]+?))?(?:\.tmp-\d+)?")
+
+
+def _owner() -> str:
+    """This process as a temporary name holds it: pid and host (file-name safe)."""
+    return f"{os.getpid()}-{_host()}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
 
 
 def nbytes(t: torch.Tensor, dtype: torch.dtype | None, kept: bool = False) -> int:
@@ -63,9 +75,9 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
     remove_leftovers(path)
     files = split(named, dtype, max_bytes, keep)
     names = file_names(len(files))
-    partial = [os.path.join(path, f".{n}.partial-{os.getpid()}") for n in names]
+    partial = [os.path.join(path, f".{n}.partial-{_owner()}") for n in names]
     index = os.path.join(path, INDEX)
-    index_tmp = f"{index}.partial-{os.getpid()}"
+    index_tmp = f"{index}.partial-{_owner()}"
     try:  # every file, the index too, under a temporary name before any rename
         for tensors, tmp in zip(files, partial):
             write_safetensors(tmp, tensors, metadata, dtype=dtype, keep=keep)
@@ -97,10 +109,10 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
 
 def remove_leftovers(path: str) -> None:
     """The temporary files of an export that was killed while it wrote into ``path`` (its
-    process gone; a live one's are left to it)."""
+    process gone; a live one's, or another host's, are left to it)."""
     for f in os.listdir(path):
         m = PARTIAL.fullmatch(f)
-        if m and not _alive(int(m.group(1))):
+        if m and m.group(2) in (_host(), None) and not _alive(int(m.group(1))):
             try:
                 os.remove(os.path.join(path, f))
             except FileNotFoundError:
