@@ -37,6 +37,11 @@ def tokenizer(path: Path, kind: str = "bert"):
     return fast
 
 
+LLAMA4 = dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+              num_experts_per_tok=2, moe_layers=[0], no_rope_layers=[1, 0],
+              attention_chunk_size=4, floor_scale=4, attn_scale=0.5, pad_token_id=0,
+              eos_token_id=3)
+
 # decoders: (config class, model class, what each sets apart from the common tiny shape)
 DECODERS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
@@ -121,6 +126,9 @@ DECODERS = {
         num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
         residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
         tie_word_embeddings=False, pad_token_id=0, eos_token_id=3)),
+    # Llama 4: a chunked-attention layer (rotary, L2 q/k norm) of experts with a shared one,
+    # and a dense NoPE full-attention layer whose queries are temperature-tuned by position
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(LLAMA4)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
@@ -194,6 +202,10 @@ MULTIMODAL = {
         model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
         dict(tie_word_embeddings=False)),
+    "llama4-vlm": ("Llama4Config", "Llama4ForConditionalGeneration", dict(LLAMA4), dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=32), {}),
     "qwen3_5-vlm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],

@@ -386,7 +386,7 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"]),
     ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"]),
     ("mistral4", ["block-dense", "block"]), ("ernie4_5_moe", ["block-dense", "block"]),
-    ("granitemoe", ["block", "block"])])
+    ("granitemoe", ["block", "block"]), ("llama4_text", ["chunked", "block-nope-dense"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -411,7 +411,7 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     tied = {"lm_head.weight"} if model.ties() else set()  # (ERNIE 4.5: one stored tensor)
     assert set(state) - tied == set(named)
     assert sum(k.endswith("experts.gate_up_proj") for k in named) == sum(
-        k in ("block", "sliding", "linear") for k in kinds)
+        k in ("block", "sliding", "linear", "chunked") for k in kinds)
     for name, t in named.items():
         assert torch.equal(state[name], t), name
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
@@ -559,7 +559,8 @@ def test_an_mxfp4_checkpoint_is_read_dequantized(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm", "mistral4-vlm", "qwen3_5-vlm"])
+@pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm", "mistral4-vlm", "qwen3_5-vlm",
+                                    "llama4-vlm"])
 def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     """Gemma 3, Mistral 3 (and Mistral 4 inside it), Qwen3.5 (...ForConditionalGeneration):
     the language model trains on text as the library's text-only causal LM with the same
@@ -579,13 +580,14 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     text_config = full.config.text_config  # tied as the whole model says (the library's rule)
     text_config.tie_word_embeddings = full.config.tie_word_embeddings
     text = getattr(transformers, families.hf_class(text_config, families.DECODER))(text_config)
-    text.model.load_state_dict(full.model.language_model.state_dict())
-    text.lm_head.load_state_dict(full.lm_head.state_dict())
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ)
+    held = build_model(cfg).wrapper.in_memory  # (the library's name for a text model's)
+    source = full.state_dict()
+    text.load_state_dict({k: source[held(k)] for k in text.state_dict()})
     text.save_pretrained(str(tmp_path / "text"))
     shutil.copy(path / "tokenizer.json", tmp_path / "text")
     shutil.copy(path / "tokenizer_config.json", tmp_path / "text")
     data = data_for(family, tmp_path)
-    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ)
     got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data)
     want = train_hf(str(tmp_path / "text"), data, steps=3, micro_batches=2, batch_size=4,
                     seq_len=SEQ)
@@ -600,10 +602,10 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     again, info = getattr(transformers, arch).from_pretrained(str(tmp_path / "out"),
                                                               output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    state, source = again.state_dict(), full.state_dict()
+    state = again.state_dict()
     for k, v in got.items():
-        assert torch.equal(state[k.replace("model.", "model.language_model.", 1)], v), k
-    others = [k for k in source if not k.startswith(("model.language_model.", "lm_head."))]
+        assert torch.equal(state[held(k)], v), k
+    others = [k for k in source if not model.wrapper.is_language(k)]
     assert others and all(torch.equal(state[k], source[k]) for k in others)
 
     # a checkpoint under the library's own names (model.language_model.*) reads alike

@@ -255,8 +255,10 @@ def test_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path, family, targets, 
     ("olmoe", {"lora_target_parameters": "gate_up_proj,down_proj"}),
     ("mixtral", {"lora_target_parameters": "mlp.experts.down_proj", "lora_rslora": True}),
     ("qwen2_moe", {"lora_target_parameters": "gate_up_proj", "lora_targets": "none"}),
-    ("gpt_oss", {"lora_target_parameters": "gate_up_proj,down_proj"})],
-    ids=["olmoe-both", "mixtral-down-rslora", "qwen2_moe-gate_up-alone", "gpt_oss-transposed"])
+    ("gpt_oss", {"lora_target_parameters": "gate_up_proj,down_proj"}),
+    ("llama4_text", {"lora_target_parameters": "gate_up_proj,down_proj"})],
+    ids=["olmoe-both", "mixtral-down-rslora", "qwen2_moe-gate_up-alone", "gpt_oss-transposed",
+         "llama4"])
 def test_lora_of_the_stacked_experts_trains_and_merges_as_peft(tmp_path, family, lora):
     """PEFT's target_parameters: every expert of a stack gets its own rank-r adapter (A: r*E x
     in, B: out x r*E, expert e's rows and columns as PEFT reshapes them; gpt-oss's stacks are

@@ -259,7 +259,7 @@ class HfModel(LayeredModel):
         targets = sorted(self.lora_modules)
         if self.wrapper:  # PEFT's names; a pattern, so that PEFT leaves the vision tower be
             named = {self.wrapper.in_memory(n): t for n, t in named.items()}
-            targets = rf"model\.language_model\..*\.({'|'.join(targets)})"
+            targets = self.wrapper.lora_pattern(targets)
         lora.adapter_files(path, named, {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if self.objective == "lm" else
             "SEQ_CLS", "base_model_name_or_path": os.path.abspath(self.path),

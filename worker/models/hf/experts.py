@@ -103,9 +103,12 @@ GRANITE = ExpertNames("block_sparse_moe", "", "", "", per_expert=False, renames=
 def sparse_layers(config) -> list[bool]:
     """Which layers are MoE: Qwen-MoE's dense layers are those ``mlp_only_layers`` lists and
     those ``decoder_sparse_step`` skips, DeepSeek-V3's and GLM-4.5's the first
-    ``first_k_dense_replace``, ERNIE 4.5's those outside its start, end and interval (the
-    library's rules); the others' layers all are."""
+    ``first_k_dense_replace``, ERNIE 4.5's those outside its start, end and interval, Llama
+    4's those ``moe_layers`` does not list (the library's rules); the others' layers all are."""
     n = config.num_hidden_layers
+    listed = getattr(config, "moe_layers", None)  # Llama 4
+    if listed is not None:
+        return [i in listed for i in range(n)]
     start = getattr(config, "moe_layer_start_index", None)  # ERNIE 4.5
     if start is not None:
         end = n - 1 if config.moe_layer_end_index == -1 else config.moe_layer_end_index

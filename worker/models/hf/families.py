@@ -59,13 +59,16 @@ class Arch:
     logit_scale: bool = False  # Cohere: logits times logit_scale
     embedding_dropout: bool = False  # StarCoder2: dropout after the embedding
     head_bias: bool = False  # ERNIE 4.5: the LM head has a bias when config.use_bias says
+    text_classes: bool = False  # Llama 4: its layers' classes are "<prefix>Text<name>"
+    aux_loss: bool = True  # a MoE whose causal LM adds the load-balancing loss it is asked for
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
         has none."""
         module = importlib.import_module(f"transformers.models.{self.module}.modeling_"
                                          f"{self.module}")
-        return getattr(module, f"{self.prefix}{name}", None)
+        text = getattr(module, f"{self.prefix}Text{name}", None) if self.text_classes else None
+        return text or getattr(module, f"{self.prefix}{name}", None)
 
     def attention(self) -> str:
         """The attention from_pretrained picks by default: SDPA where the model supports it
@@ -132,6 +135,10 @@ ARCH = {
     "qwen3_5_moe_text": Arch("Qwen3_5Moe", "qwen3_5_moe", sliding="layer_types", experts=QWEN,
                              rotary="TextRotaryEmbedding",
                              classifier="TextForSequenceClassification"),
+    # Llama 4: chunked attention with rotary, NoPE full attention (temperature-tuned), MoE
+    # and dense layers interleaved; its causal LM adds no load-balancing loss
+    "llama4_text": Arch("Llama4", "llama4", sliding="layer_types", nope_layers=True,
+                        experts=STACKED, text_classes=True, aux_loss=False),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -161,7 +168,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
                   "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4",
-                  "ernie4_5_moe", "granitemoe"),
+                  "ernie4_5_moe", "granitemoe", "llama4_text"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
@@ -222,9 +229,12 @@ def max_positions(config) -> int | None:
     return limit
 
 
+BLOCKS = ("block", "sliding", "linear", "chunked")  # the decoder blocks' kinds (before "-")
+
 # the stage kind of a layer type that is not full attention (Qwen3-Next's linear attention:
 # gated delta rule layers, other parameters, masked by padding alone)
-LAYER_KINDS = {"sliding_attention": "sliding", "linear_attention": "linear"}
+LAYER_KINDS = {"sliding_attention": "sliding", "linear_attention": "linear",
+               "chunked_attention": "chunked"}  # (Llama 4: attention within fixed chunks)
 
 
 def block_kinds(config) -> list[str]:
@@ -257,8 +267,8 @@ def make_stage(config, family: Family, kind: str):
         return {"embed": stages.Gpt2Embed, "block": stages.Gpt2Block,
                 "head": stages.gpt2_head}[kind](config)
     # a mixture of experts' load-balancing loss (causal LMs that train with it: balance.py)
-    balance = balance_of(config, family is DECODER) if arch.experts else None
-    if kind.split("-")[0] in ("block", "sliding", "linear"):  # as the first of its kind
+    balance = balance_of(config, family is DECODER and arch.aux_loss) if arch.experts else None
+    if kind.split("-")[0] in BLOCKS:  # as the first of its kind
         kinds = block_kinds(config)
         return stages.DecoderBlock(config, arch, kinds.index(kind), kind.split("-")[0],
                                    balance)

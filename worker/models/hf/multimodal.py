@@ -1,5 +1,5 @@
 """The language model of a multimodal checkpoint (Gemma 3 from 4B up, Mistral Small 3.1 and
-later, Qwen3.5: ``...ForConditionalGeneration``), trained on text here as the causal LM its
+later, Qwen3.5, Llama 4: ``...ForConditionalGeneration``), trained on text here as the causal LM its
 ``text_config`` describes. The vision tower and the projector are not trained, not served and
 not held: export copies them from the source as they are, beside the trained language model,
 so the result is the whole multimodal model again.
@@ -8,15 +8,17 @@ Names: inside this package the language model has its text model's names (``mode
 ``lm_head.``). The library keeps it as ``model.language_model.layers.0.`` (PEFT's adapter
 names follow these); ``save_pretrained`` writes Gemma 3's and Mistral 3's as
 ``language_model.model.layers.0.`` and ``language_model.lm_head.`` (the LLaVA layout their
-conversion mapping reverses on save), Qwen3.5's as the library keeps them. A checkpoint is
-read in either form.
+conversion mapping reverses on save), Qwen3.5's as the library keeps them. Llama 4 keeps its
+language model as ``language_model.model.layers.0.`` in memory too. A checkpoint is read in
+either form.
 """
 
 from __future__ import annotations
 
 import copy
 
-LLAVA = ("gemma3", "mistral3")  # saved in the LLaVA layout
+LLAVA = ("gemma3", "mistral3", "llama4")  # saved in the LLaVA layout
+HELD_AS_SAVED = ("llama4",)  # held in memory in it too
 TYPES = (*LLAVA, "qwen3_5", "qwen3_5_moe")
 
 
@@ -49,10 +51,15 @@ class Wrapper:
         """The name save_pretrained writes for the language model's ``name``."""
         return Wrapper.checkpoint(name)[0 if self.config.model_type in LLAVA else 1]
 
-    @staticmethod
-    def in_memory(name: str) -> str:
+    def in_memory(self, name: str) -> str:
         """The library's (and PEFT's) name for the language model's ``name``."""
-        return Wrapper.checkpoint(name)[1]
+        return Wrapper.checkpoint(name)[0 if self.config.model_type in HELD_AS_SAVED else 1]
+
+    def lora_pattern(self, modules: list[str]) -> str:
+        """PEFT's target_modules for ``modules`` of the language model alone (a pattern, so
+        that PEFT leaves the vision tower be)."""
+        held = self.in_memory("model.").replace(".", r"\.")
+        return rf"{held}.*\.({'|'.join(modules)})"
 
     @staticmethod
     def is_language(checkpoint_name: str) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.masking_utils import (
     create_bidirectional_mask,
     create_causal_mask,
+    create_chunked_causal_mask,
     create_sliding_window_causal_mask,
 )
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -203,7 +204,7 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config, arch, layer_idx: int, mixer: str = "block", balance=None):
         super().__init__()
-        self.config, self.mixer = config, mixer  # "block", "sliding" or "linear" (attention)
+        self.config, self.mixer = config, mixer  # "block", "sliding", "chunked" or "linear"
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
         checkpoint_buffers(self.layer)
         self.rotary_emb = arch.cls(arch.rotary)(config)
@@ -220,8 +221,9 @@ class DecoderBlock(nn.Module):
         if self.mixer == "linear":  # the 2-D padding mask (create_recurrent_attention_mask's;
             mask = batch.mask       # all ones where it passes None: the same product)
         else:
-            make_mask = (create_sliding_window_causal_mask if self.mixer == "sliding"
-                         else create_causal_mask)
+            make_mask = {"sliding": create_sliding_window_causal_mask,
+                         "chunked": create_chunked_causal_mask}.get(self.mixer,
+                                                                    create_causal_mask)
             mask = _causal_mask(make_mask, self.config, x, batch, positions)
         cos_sin = self.rotary_emb(x, positions, *self.rotary_args)
         out = self.layer(x, attention_mask=mask, position_ids=positions,
