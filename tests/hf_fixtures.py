@@ -42,6 +42,12 @@ LLAMA4 = dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=
               attention_chunk_size=4, floor_scale=4, attn_scale=0.5, pad_token_id=0,
               eos_token_id=3)
 
+GEMMA4 = dict(head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, sliding_window=4,
+              layer_types=["sliding_attention", "full_attention"], enable_moe_block=True,
+              num_experts=4, top_k_experts=2, moe_intermediate_size=16, attention_k_eq_v=True,
+              num_global_key_value_heads=1, final_logit_softcapping=30.0, pad_token_id=0,
+              eos_token_id=3)
+
 # decoders: (config class, model class, what each sets apart from the common tiny shape)
 DECODERS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
@@ -129,6 +135,9 @@ DECODERS = {
     # Llama 4: a chunked-attention layer (rotary, L2 q/k norm) of experts with a shared one,
     # and a dense NoPE full-attention layer whose queries are temperature-tuned by position
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(LLAMA4)),
+    # Gemma 4: a sliding layer and a full one with wider heads, keys as values and one KV
+    # head; both a dense MLP beside experts; soft-capped logits
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
@@ -206,6 +215,9 @@ MULTIMODAL = {
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
         projector_output_dim=32), {}),
+    "gemma4-vlm": ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(GEMMA4), dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
+        dict(audio_config=None)),
     "qwen3_5-vlm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
@@ -295,9 +307,11 @@ def model_dir(path: Path, family: str, seed: int = 0, biases: bool = False, **ov
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
-        for name, b in model.named_buffers():  # a routing bias (the library starts it at 0)
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():  # a routing bias (the library starts it at 0),
+            if name.endswith("e_score_correction_bias"):  # Gemma 4's layer scalar (at 1)
                 b.normal_(0.0, 0.1)
+            elif name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
     model.save_pretrained(str(path))
     return path
 

@@ -386,7 +386,8 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("deepseek_v2", ["block-dense", "block"]), ("dots1", ["block-dense", "block"]),
     ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"]),
     ("mistral4", ["block-dense", "block"]), ("ernie4_5_moe", ["block-dense", "block"]),
-    ("granitemoe", ["block", "block"]), ("llama4_text", ["chunked", "block-nope-dense"])])
+    ("granitemoe", ["block", "block"]), ("llama4_text", ["chunked", "block-nope-dense"]),
+    ("gemma4_text", ["sliding", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -416,11 +417,12 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
         assert torch.equal(state[name], t), name
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
               if t.group == "frozen"}
-    assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith("e_score_correction_bias")}
+    assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith(
+        ("e_score_correction_bias", "layer_scalar"))}
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
-                                       "ernie4_5_moe"))
-    if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
-        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                                       "ernie4_5_moe", "gemma4_text"))
+    if frozen and family != "gemma4_text":  # --freeze may name it (a pattern that matches
+        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,  # only it is not "unused")
                                 freeze="*.e_score_correction_bias")).manifest()
     model.export(str(tmp_path / "out"), loaded, {})
     source = SafetensorsFile(str(path / "model.safetensors"))
@@ -560,7 +562,7 @@ def test_an_mxfp4_checkpoint_is_read_dequantized(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma3-vlm", "mistral3-vlm", "mistral4-vlm", "qwen3_5-vlm",
-                                    "llama4-vlm"])
+                                    "llama4-vlm", "gemma4-vlm"])
 def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
     """Gemma 3, Mistral 3 (and Mistral 4 inside it), Qwen3.5 (...ForConditionalGeneration):
     the language model trains on text as the library's text-only causal LM with the same
@@ -707,6 +709,13 @@ def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         build_model(ModelConfig(model=f"hf:{path}"))
+    for over in (dict(hidden_size_per_layer_input=8), dict(
+            num_kv_shared_layers=1, num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "full_attention"])):
+        gemma4 = fx.model_dir(tmp_path / list(over)[0], "gemma4_text",
+                              **over)  # (the layers are not apart: per-layer inputs, shared KV)
+        with pytest.raises(ValueError, match=list(over)[0]):
+            build_model(ModelConfig(model=f"hf:{gemma4}"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a Hugging Face config"):

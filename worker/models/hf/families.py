@@ -139,6 +139,12 @@ ARCH = {
     # and dense layers interleaved; its causal LM adds no load-balancing loss
     "llama4_text": Arch("Llama4", "llama4", sliding="layer_types", nope_layers=True,
                         experts=STACKED, text_classes=True, aux_loss=False),
+    # Gemma 4: Gemma 3's shape, its full-attention layers with heads of their own size (keys
+    # as values, where attention_k_eq_v says), every layer a dense MLP beside its experts
+    # (enable_moe_block), a learned scalar per layer
+    "gemma4_text": Arch("Gemma4", "gemma4", sliding="layer_types", scaled_embedding=True,
+                        softcap=True, rotary_by_type=True, experts=STACKED, text_classes=True,
+                        aux_loss=False),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -168,7 +174,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
                   "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4",
-                  "ernie4_5_moe", "granitemoe", "llama4_text"),
+                  "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
@@ -209,6 +215,13 @@ def family_of(config, classes: int = 0) -> Family:
                                         or config.reorder_and_upcast_attn):
         raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or "
                          "reorder_and_upcast_attn computes each block differently; not supported")
+    if config.model_type == "gemma4_text" and (config.hidden_size_per_layer_input
+                                               or config.num_kv_shared_layers
+                                               or config.use_bidirectional_attention == "all"):
+        raise ValueError("Gemma 4 with per-layer embeddings (hidden_size_per_layer_input), "
+                         "layers that reuse another layer's keys and values "
+                         "(num_kv_shared_layers) or bidirectional attention is not supported: "
+                         "here each layer is computed from the one before alone")
     if getattr(config, "is_decoder", False) and family in (BERT, ROBERTA):
         raise ValueError(f"a {config.model_type} decoder (is_decoder) is not supported; use an "
                          "encoder checkpoint")

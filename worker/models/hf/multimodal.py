@@ -1,16 +1,17 @@
-"""The language model of a multimodal checkpoint (Gemma 3 from 4B up, Mistral Small 3.1 and
-later, Qwen3.5, Llama 4: ``...ForConditionalGeneration``), trained on text here as the causal LM its
-``text_config`` describes. The vision tower and the projector are not trained, not served and
-not held: export copies them from the source as they are, beside the trained language model,
-so the result is the whole multimodal model again.
+"""The language model of a multimodal checkpoint (Gemma 3 from 4B up, Gemma 4, Mistral Small
+3.1 and later, Qwen3.5, Llama 4: ``...ForConditionalGeneration``), trained on text here as the
+causal LM its ``text_config`` describes. The vision tower and the projector (Gemma 4's audio
+tower too) are not trained, not served and not held: export copies them from the source as
+they are, beside the trained language model, so the result is the whole multimodal model
+again.
 
 Names: inside this package the language model has its text model's names (``model.layers.0.``,
 ``lm_head.``). The library keeps it as ``model.language_model.layers.0.`` (PEFT's adapter
 names follow these); ``save_pretrained`` writes Gemma 3's and Mistral 3's as
 ``language_model.model.layers.0.`` and ``language_model.lm_head.`` (the LLaVA layout their
-conversion mapping reverses on save), Qwen3.5's as the library keeps them. Llama 4 keeps its
-language model as ``language_model.model.layers.0.`` in memory too. A checkpoint is read in
-either form.
+conversion mapping reverses on save), Qwen3.5's and Gemma 4's as the library keeps them.
+Llama 4 keeps its language model as ``language_model.model.layers.0.`` in memory too. A
+checkpoint is read in either form.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import copy
 
 LLAVA = ("gemma3", "mistral3", "llama4")  # saved in the LLaVA layout
 HELD_AS_SAVED = ("llama4",)  # held in memory in it too
-TYPES = (*LLAVA, "qwen3_5", "qwen3_5_moe")
+TYPES = (*LLAVA, "qwen3_5", "qwen3_5_moe", "gemma4")
 
 
 def of(config):

@@ -212,6 +212,8 @@ class DecoderBlock(nn.Module):
         self.rotary_args = (config.layer_types[layer_idx],) if arch.rotary_by_type else ()
         self.balance = balance
         self.routers = RouterLogits(self.layer) if balance else None
+        # (Gemma 4: a layer may record its keys and values for later ones; none reads them)
+        self.shares_kv = "shared_kv_states" in inspect.signature(self.layer.forward).parameters
 
     def forward(self, x, batch):
         if self.balance:
@@ -227,7 +229,8 @@ class DecoderBlock(nn.Module):
             mask = _causal_mask(make_mask, self.config, x, batch, positions)
         cos_sin = self.rotary_emb(x, positions, *self.rotary_args)
         out = self.layer(x, attention_mask=mask, position_ids=positions,
-                         position_embeddings=cos_sin)
+                         position_embeddings=cos_sin,
+                         **({"shared_kv_states": {}} if self.shares_kv else {}))
         if not self.balance:
             return out
         for logits in self.routers.take():
