@@ -217,7 +217,8 @@ MULTIMODAL = {
         projector_output_dim=32), {}),
     "gemma4-vlm": ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(GEMMA4), dict(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
-        dict(audio_config=None)),
+        dict(audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               output_proj_dims=16, subsampling_conv_channels=[4, 4]))),
     "qwen3_5-vlm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
