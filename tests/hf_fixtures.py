@@ -138,6 +138,28 @@ DECODERS = {
     # Gemma 4: a sliding layer and a full one with wider heads, keys as values and one KV
     # head; both a dense MLP beside experts; soft-capped logits
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(
+        head_dim=8, use_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=3)),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(head_dim=8, pad_token_id=0, eos_token_id=3)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        head_dim=8, num_experts=4, moe_topk=2, pad_token_id=0, eos_token_id=3)),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", dict(
+        head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, pad_token_id=0, eos_token_id=3)),
+    # K-EXAONE: a dense sliding layer, then a full-attention MoE one with a routing bias
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1, num_shared_experts=1, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=3)),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", dict(
+        head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        num_shared_experts=1, pad_token_id=0, eos_token_id=3)),
+    # AFMoE: muP-scaled embedding, a dense sliding layer, a full-attention MoE one
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(
+        head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        num_shared_experts=1, sliding_window=4, global_attn_every_n_layers=2, mup_enabled=True,
+        pad_token_id=0, eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
@@ -309,8 +331,8 @@ def model_dir(path: Path, family: str, seed: int = 0, biases: bool = False, **ov
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():  # a routing bias (the library starts it at 0),
-            if name.endswith("e_score_correction_bias"):  # Gemma 4's layer scalar (at 1)
-                b.normal_(0.0, 0.1)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # Gemma 4's layer
+                b.normal_(0.0, 0.1)  # scalar (at 1)
             elif name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
     model.save_pretrained(str(path))

@@ -387,7 +387,9 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("qwen3_next", ["linear", "block"]), ("qwen3_5_moe_text", ["linear", "block"]),
     ("mistral4", ["block-dense", "block"]), ("ernie4_5_moe", ["block-dense", "block"]),
     ("granitemoe", ["block", "block"]), ("llama4_text", ["chunked", "block-nope-dense"]),
-    ("gemma4_text", ["sliding", "block"])])
+    ("gemma4_text", ["sliding", "block"]), ("hunyuan_v1_moe", ["block", "block"]),
+    ("solar_open", ["block", "block"]), ("exaone_moe", ["sliding-dense", "block"]),
+    ("hy_v3", ["block-dense", "block"]), ("afmoe", ["sliding-dense", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -396,8 +398,9 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     checkpoint's own names and bytes, as save_pretrained does. Qwen-MoE's, DeepSeek's,
     GLM-4.5's and dots.llm1's dense layers are a block kind of their own, as are Qwen3-Next's
     linear-attention layers; a routing bias
-    (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1: a buffer in the library, a tensor in the
-    checkpoint) is read and written, and frozen (--freeze may name it).
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1, K-EXAONE, Hunyuan 3, AFMoE: a buffer in the
+    library, a tensor in the checkpoint, K-EXAONE's and Hunyuan 3's under other names), and
+    Gemma 4's layer scalar, are read and written, and frozen (--freeze may name them).
     gpt-oss's checkpoints keep the stacks (with biases) as the library does."""
     from protocol.safetensors_io import SafetensorsFile
     from protocol.tensors import plan_layout
@@ -418,12 +421,13 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
               if t.group == "frozen"}
     assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith(
-        ("e_score_correction_bias", "layer_scalar"))}
+        ("e_score_correction_bias", "expert_bias", "layer_scalar"))}
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
-                                       "ernie4_5_moe", "gemma4_text"))
-    if frozen and family != "gemma4_text":  # --freeze may name it (a pattern that matches
-        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,  # only it is not "unused")
-                                freeze="*.e_score_correction_bias")).manifest()
+                                       "ernie4_5_moe", "gemma4_text", "solar_open",
+                                       "exaone_moe", "hy_v3", "afmoe"))
+    if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
+        build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                                freeze="*." + min(frozen).rsplit(".", 1)[1])).manifest()
     model.export(str(tmp_path / "out"), loaded, {})
     source = SafetensorsFile(str(path / "model.safetensors"))
     out = SafetensorsFile(str(tmp_path / "out" / "model.safetensors"))

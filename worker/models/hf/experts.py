@@ -94,6 +94,11 @@ QWEN = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 STACKED = ExpertNames("mlp", "", "", "", per_expert=False)
 ERNIE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
     ("mlp.gate.moe_statics.", "mlp.moe_statics."),))
+EXAONE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
+    ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"),))
+HUNYUAN3 = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
+    ("mlp.e_score_correction_bias", "mlp.expert_bias"),
+    ("mlp.gate.weight", "mlp.router.gate.weight"), ("mlp.shared_experts.", "mlp.shared_mlp.")))
 GRANITE = ExpertNames("block_sparse_moe", "", "", "", per_expert=False, renames=(
     ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
     ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
@@ -104,8 +109,15 @@ def sparse_layers(config) -> list[bool]:
     """Which layers are MoE: Qwen-MoE's dense layers are those ``mlp_only_layers`` lists and
     those ``decoder_sparse_step`` skips, DeepSeek-V3's and GLM-4.5's the first
     ``first_k_dense_replace``, ERNIE 4.5's those outside its start, end and interval, Llama
-    4's those ``moe_layers`` does not list (the library's rules); the others' layers all are."""
+    4's those ``moe_layers`` does not list, and where a config lists ``mlp_layer_types``, its
+    "dense" ones (the library's rules); the others' layers all are."""
     n = config.num_hidden_layers
+    types = getattr(config, "mlp_layer_types", None)  # (the newer configs say it per layer)
+    if types is not None:
+        return [t != "dense" for t in types[:n]]
+    dense = getattr(config, "num_dense_layers", None)  # AFMoE: the first ones
+    if dense is not None:
+        return [i >= dense for i in range(n)]
     listed = getattr(config, "moe_layers", None)  # Llama 4
     if listed is not None:
         return [i in listed for i in range(n)]

@@ -17,7 +17,17 @@ from dataclasses import dataclass
 
 from . import stages
 from .balance import balance_of
-from .experts import ERNIE, GRANITE, MIXTRAL, QWEN, STACKED, ExpertNames, sparse_layers
+from .experts import (
+    ERNIE,
+    EXAONE,
+    GRANITE,
+    HUNYUAN3,
+    MIXTRAL,
+    QWEN,
+    STACKED,
+    ExpertNames,
+    sparse_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,17 @@ ARCH = {
     "gemma4_text": Arch("Gemma4", "gemma4", sliding="layer_types", scaled_embedding=True,
                         softcap=True, rotary_by_type=True, experts=STACKED, text_classes=True,
                         aux_loss=False),
+    "ernie4_5": Arch("Ernie4_5", "ernie4_5"),
+    "glm": Arch("Glm", "glm"),
+    # mixtures of experts whose causal LMs add no balancing loss: Hunyuan-A13B, Solar Open,
+    # K-EXAONE, Hunyuan 3 (its router, routing bias and shared expert under names of their
+    # own) and AFMoE (Arcee Trinity: muP scales its embedding when mup_enabled says)
+    "hunyuan_v1_moe": Arch("HunYuanMoEV1", "hunyuan_v1_moe", experts=QWEN, aux_loss=False),
+    "solar_open": Arch("SolarOpen", "solar_open", experts=QWEN, aux_loss=False),
+    "exaone_moe": Arch("ExaoneMoe", "exaone_moe", sliding="layer_types", experts=EXAONE,
+                       aux_loss=False),
+    "hy_v3": Arch("HYV3", "hy_v3", experts=HUNYUAN3, aux_loss=False),
+    "afmoe": Arch("Afmoe", "afmoe", sliding="layer_types", experts=QWEN, aux_loss=False),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -174,7 +195,8 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "gemma3_text", "ministral3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
                   "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4",
-                  "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text"),
+                  "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text", "ernie4_5", "glm",
+                  "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

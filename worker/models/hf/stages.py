@@ -164,7 +164,7 @@ def gpt2_head(config) -> LmHead:
 
 class DecoderEmbed(nn.Module):
     """The token embedding (Gemma's scales by sqrt(hidden) in the weights' dtype; Granite
-    multiplies by ``embedding_multiplier``)."""
+    multiplies by ``embedding_multiplier``, AFMoE with muP by sqrt(hidden))."""
 
     def __init__(self, config, arch, balance=None):
         super().__init__()
@@ -174,7 +174,9 @@ class DecoderEmbed(nn.Module):
             self.embed_tokens = scaled(*args, embed_scale=config.hidden_size ** 0.5)
         else:
             self.embed_tokens = nn.Embedding(*args)
-        self.multiplier = config.embedding_multiplier if arch.multipliers else 1.0
+        self.multiplier = (config.embedding_multiplier if arch.multipliers
+                           else config.hidden_size ** 0.5 if getattr(config, "mup_enabled", False)
+                           else 1.0)  # (Granite; AFMoE's muP)
         self.dropout = nn.Dropout(config.embedding_dropout) if arch.embedding_dropout else None
         self.balance = balance
 
