@@ -160,6 +160,26 @@ DECODERS = {
         head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
         num_shared_experts=1, sliding_window=4, global_attn_every_n_layers=2, mup_enabled=True,
         pad_token_id=0, eos_token_id=3)),
+    # DeepSeek-V3.2: its indexer keeps 4 keys a query (of up to 16), after a dense layer
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4, index_n_heads=2, index_head_dim=8, index_topk=4,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1, pad_token_id=0,
+        eos_token_id=3)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, moe_intermediate_size=16, pad_token_id=0, eos_token_id=3)),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(
+        head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        eos_token_id=3)),
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=4.0, sliding_window=4, layer_types=["sliding_attention",
+                                                           "full_attention"],
+        pad_token_id=0, eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(

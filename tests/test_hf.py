@@ -31,8 +31,9 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
         tsv = fx.classification_tsv(tmp_path / "train.tsv", pairs=pairs)
         return DataConfig(data=str(tsv), text_column="sentence1" if pairs else "sentence",
                           text_pair_column="sentence2" if pairs else "")
-    if family in ("qwen2", "qwen3_5_moe_text", "qwen3_5-vlm"):  # (their tokenizer classes: not
-        # the fixture's word vocabulary)
+    if family in ("qwen2", "qwen3_5_moe_text", "qwen3_5-vlm", "deepseek_v32"):  # (their
+        # tokenizer classes: not the fixture's word vocabulary; DeepSeek-V3.2: no padding, so
+        # that its mask is one SDPA could skip)
         return DataConfig(data=str(fx.tokens_bin(tmp_path / "train.bin")))
     return DataConfig(data=str(fx.lm_jsonl(tmp_path / "train.jsonl")))
 
@@ -389,7 +390,9 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("granitemoe", ["block", "block"]), ("llama4_text", ["chunked", "block-nope-dense"]),
     ("gemma4_text", ["sliding", "block"]), ("hunyuan_v1_moe", ["block", "block"]),
     ("solar_open", ["block", "block"]), ("exaone_moe", ["sliding-dense", "block"]),
-    ("hy_v3", ["block-dense", "block"]), ("afmoe", ["sliding-dense", "block"])])
+    ("hy_v3", ["block-dense", "block"]), ("afmoe", ["sliding-dense", "block"]),
+    ("deepseek_v32", ["block-dense", "block"]), ("glm4_moe_lite", ["block-dense", "block"]),
+    ("cohere2_moe", ["sliding", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -424,7 +427,8 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
         ("e_score_correction_bias", "expert_bias", "layer_scalar"))}
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
                                        "ernie4_5_moe", "gemma4_text", "solar_open",
-                                       "exaone_moe", "hy_v3", "afmoe"))
+                                       "exaone_moe", "hy_v3", "afmoe", "deepseek_v32",
+                                       "glm4_moe_lite"))
     if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
         build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
                                 freeze="*." + min(frozen).rsplit(".", 1)[1])).manifest()

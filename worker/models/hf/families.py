@@ -71,6 +71,8 @@ class Arch:
     head_bias: bool = False  # ERNIE 4.5: the LM head has a bias when config.use_bias says
     text_classes: bool = False  # Llama 4: its layers' classes are "<prefix>Text<name>"
     aux_loss: bool = True  # a MoE whose causal LM adds the load-balancing loss it is asked for
+    causal_skip: bool = True  # False: the causal mask is always made (DeepSeek-V3.2's indexer
+    #                           reads it), never left to SDPA's is_causal
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -166,6 +168,13 @@ ARCH = {
                        aux_loss=False),
     "hy_v3": Arch("HYV3", "hy_v3", experts=HUNYUAN3, aux_loss=False),
     "afmoe": Arch("Afmoe", "afmoe", sliding="layer_types", experts=QWEN, aux_loss=False),
+    # DeepSeek-V3.2: V3 with sparse attention (an indexer picks the keys each query reads)
+    "deepseek_v32": Arch("DeepseekV32", "deepseek_v32", experts=QWEN, aux_loss=False,
+                         causal_skip=False),
+    "glm4_moe_lite": Arch("Glm4MoeLite", "glm4_moe_lite", experts=QWEN, aux_loss=False),
+    "cohere2_moe": Arch("Cohere2Moe", "cohere2_moe", sliding="layer_types", norm="cohere",
+                        logit_scale=True, experts=QWEN, aux_loss=False),
+    "granite_swa": Arch("GraniteSWA", "granite_swa", sliding="layer_types", multipliers=True),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -196,7 +205,8 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "helium", "apertus", "arcee", "qwen3_next", "qwen3_5_text",
                   "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4",
                   "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text", "ernie4_5", "glm",
-                  "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe"),
+                  "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
+                  "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

@@ -34,9 +34,11 @@ _NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).paramet
              else "past_key_values": None}
 
 
-def _causal_mask(make, config, x: torch.Tensor, batch, positions: torch.Tensor):
+def _causal_mask(make, config, x: torch.Tensor, batch, positions: torch.Tensor,
+                 skip: bool = True):
     return make(config=config, inputs_embeds=x, attention_mask=batch.mask,
-                position_ids=positions, **_NO_CACHE)
+                position_ids=positions, **_NO_CACHE,
+                **({} if skip else {"allow_is_causal_skip": False}))
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -216,6 +218,7 @@ class DecoderBlock(nn.Module):
         self.routers = RouterLogits(self.layer) if balance else None
         # (Gemma 4: a layer may record its keys and values for later ones; none reads them)
         self.shares_kv = "shared_kv_states" in inspect.signature(self.layer.forward).parameters
+        self.causal_skip = arch.causal_skip
 
     def forward(self, x, batch):
         if self.balance:
@@ -228,7 +231,7 @@ class DecoderBlock(nn.Module):
             make_mask = {"sliding": create_sliding_window_causal_mask,
                          "chunked": create_chunked_causal_mask}.get(self.mixer,
                                                                     create_causal_mask)
-            mask = _causal_mask(make_mask, self.config, x, batch, positions)
+            mask = _causal_mask(make_mask, self.config, x, batch, positions, self.causal_skip)
         cos_sin = self.rotary_emb(x, positions, *self.rotary_args)
         out = self.layer(x, attention_mask=mask, position_ids=positions,
                          position_embeddings=cos_sin,
