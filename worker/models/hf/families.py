@@ -73,6 +73,8 @@ class Arch:
     aux_loss: bool = True  # a MoE whose causal LM adds the load-balancing loss it is asked for
     causal_skip: bool = True  # False: the causal mask is always made (DeepSeek-V3.2's indexer
     #                           reads it), never left to SDPA's is_causal
+    untrained: tuple[str, ...] = ()  # a block's modules the library runs without gradients
+    #                                  (DeepSeek-V3.2's indexer): frozen, as AdamW leaves them
 
     def cls(self, name: str):
         """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
@@ -170,7 +172,7 @@ ARCH = {
     "afmoe": Arch("Afmoe", "afmoe", sliding="layer_types", experts=QWEN, aux_loss=False),
     # DeepSeek-V3.2: V3 with sparse attention (an indexer picks the keys each query reads)
     "deepseek_v32": Arch("DeepseekV32", "deepseek_v32", experts=QWEN, aux_loss=False,
-                         causal_skip=False),
+                         causal_skip=False, untrained=("self_attn.indexer.",)),
     "glm4_moe_lite": Arch("Glm4MoeLite", "glm4_moe_lite", experts=QWEN, aux_loss=False),
     "cohere2_moe": Arch("Cohere2Moe", "cohere2_moe", sliding="layer_types", norm="cohere",
                         logit_scale=True, experts=QWEN, aux_loss=False),

@@ -211,6 +211,9 @@ class DecoderBlock(nn.Module):
         self.config, self.mixer = config, mixer  # "block", "sliding", "chunked" or "linear"
         self.layer = arch.cls("DecoderLayer")(config, layer_idx)
         checkpoint_buffers(self.layer)
+        for name, p in self.layer.named_parameters():
+            if name.startswith(arch.untrained):  # (no gradient ever: frozen, not decayed)
+                p.requires_grad_(False)
         self.rotary_emb = arch.cls(arch.rotary)(config)
         # (OLMo 3, Gemma 3: the rotary of the layer's type, local or global)
         self.rotary_args = (config.layer_types[layer_idx],) if arch.rotary_by_type else ()
