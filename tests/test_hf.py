@@ -54,7 +54,8 @@ def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     mixtures of experts with router noise, shared experts and dense layers, linear attention)
     on text or token ids; decoders (Qwen3, Qwen3-Next, Mixtral) as sequence classifiers
     (pooled at the last real token of padded rows), from a classifier and from a causal LM
-    with a new head; dropout 0.1 everywhere it exists."""
+    with a new head; dropout 0.1 everywhere it exists. A tensor the library's training leaves
+    exactly where it was (no gradient ever reaches it) is left there too."""
     path = fx.model_dir(tmp_path / "model", family)
     data = data_for(family, tmp_path, pairs, classes)
     got = train_local_l2l(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes),
@@ -62,6 +63,11 @@ def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     want = train_hf(str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ,
                     classes=classes)
     assert_close(got, {k: v for k, v in want.items() if k in got})
+    start = train_hf(str(path), data, steps=0, micro_batches=2, batch_size=4, seq_len=SEQ,
+                     classes=classes)  # what the library never moves (no gradient: AdamW
+    moved = [k for k in got if torch.equal(want[k], start[k]) and not torch.equal(  # skips it)
+        got[k], start[k])]  # is not moved here either (weight decay alone would move it)
+    assert not moved, moved
     tied = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes)).ties()
     if tied:  # one stored tensor
         assert "lm_head.weight" not in got and "lm_head.weight" in want
