@@ -180,6 +180,17 @@ DECODERS = {
         logits_scaling=4.0, sliding_window=4, layer_types=["sliding_attention",
                                                            "full_attention"],
         pad_token_id=0, eos_token_id=3)),
+    # LayerNorm final norms: OLMo (no parameters, clipped q/k/v), Nemotron (weight + 1, partial
+    # rotary, relu2), StableLM (parallel residual, q/k norms, biases), Jais 2
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, pad_token_id=0,
+                                                   eos_token_id=3)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(
+        head_dim=8, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=3)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(
+        use_parallel_residual=True, qk_layernorm=True, use_qkv_bias=True, pad_token_id=0,
+        eos_token_id=3)),
+    "jais2": ("Jais2Config", "Jais2ForCausalLM", dict(head_dim=8, pad_token_id=0,
+                                                     eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(

@@ -65,7 +65,8 @@ class Arch:
     rotary_by_type: bool = False  # OLMo 3, Gemma 3: a rotary per layer type (local, global)
     classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
     rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's)
-    norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer" (torch's)
+    norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer"
+    #                    (torch's), "olmo" (no parameters), "layer1p" (Nemotron's), "rms-free"
     logit_scale: bool = False  # Cohere: logits times logit_scale
     embedding_dropout: bool = False  # StarCoder2: dropout after the embedding
     head_bias: bool = False  # ERNIE 4.5: the LM head has a bias when config.use_bias says
@@ -177,6 +178,12 @@ ARCH = {
     "cohere2_moe": Arch("Cohere2Moe", "cohere2_moe", sliding="layer_types", norm="cohere",
                         logit_scale=True, experts=QWEN, aux_loss=False),
     "granite_swa": Arch("GraniteSWA", "granite_swa", sliding="layer_types", multipliers=True),
+    # LayerNorm final norms: OLMo's without parameters, Nemotron's (weight + 1), StableLM's
+    # and Jais 2's torch's
+    "olmo": Arch("Olmo", "olmo", norm="olmo"),
+    "nemotron": Arch("Nemotron", "nemotron", norm="layer1p"),
+    "stablelm": Arch("StableLm", "stablelm", norm="layer"),
+    "jais2": Arch("Jais2", "jais2", norm="layer"),
 }
 
 BERT = Family(("bert",), "ForSequenceClassification", "classify", "bert.", {
@@ -208,7 +215,8 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "qwen3_5_moe_text", "cohere", "cohere2", "starcoder2", "glm4", "mistral4",
                   "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text", "ernie4_5", "glm",
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
-                  "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa"),
+                  "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
+                  "nemotron", "stablelm", "jais2"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

@@ -271,8 +271,15 @@ def final_norm(config, arch) -> nn.Module:
     """The model's final norm, as the library builds it."""
     if arch.norm == "cohere":
         return arch.cls("LayerNorm")(hidden_size=config.hidden_size, eps=config.layer_norm_eps)
-    if arch.norm == "layer":
-        return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    if arch.norm == "layer":  # (StarCoder2's eps is norm_epsilon, StableLM's layer_norm_eps)
+        eps = getattr(config, "norm_epsilon", None) or config.layer_norm_eps
+        return nn.LayerNorm(config.hidden_size, eps=eps)
+    if arch.norm == "olmo":  # OLMo's: no weight nor bias
+        return arch.cls("LayerNorm")(config.hidden_size)
+    if arch.norm == "layer1p":  # Nemotron's: LayerNorm with weight + 1
+        return arch.cls("LayerNorm1P")(config.hidden_size, eps=config.norm_eps)
+    if arch.norm == "rms-free":  # NanoChat's: no weight
+        return arch.cls("RMSNorm")(eps=config.rms_norm_eps)
     return arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
 
 
