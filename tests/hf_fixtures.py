@@ -180,6 +180,12 @@ DECODERS = {
         logits_scaling=4.0, sliding_window=4, layer_types=["sliding_attention",
                                                            "full_attention"],
         pad_token_id=0, eos_token_id=3)),
+    # MiniMax: a lightning-attention layer (linear, in blocks of 4 tokens) and a softmax one
+    # that slides (sliding_window set), experts under Mixtral's names, scaled residuals
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4, sliding_window=4,
+        layer_types=["linear_attention", "full_attention"], full_attn_alpha_factor=0.5,
+        linear_attn_alpha_factor=1.5, mlp_alpha_factor=0.8, pad_token_id=0, eos_token_id=3)),
     # LayerNorm final norms: OLMo (no parameters, clipped q/k/v), Nemotron (weight + 1, partial
     # rotary, relu2), StableLM (parallel residual, q/k norms, biases), Jais 2
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, pad_token_id=0,

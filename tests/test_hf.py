@@ -398,7 +398,7 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("solar_open", ["block", "block"]), ("exaone_moe", ["sliding-dense", "block"]),
     ("hy_v3", ["block-dense", "block"]), ("afmoe", ["sliding-dense", "block"]),
     ("deepseek_v32", ["block-dense", "block"]), ("glm4_moe_lite", ["block-dense", "block"]),
-    ("cohere2_moe", ["sliding", "block"])])
+    ("cohere2_moe", ["sliding", "block"]), ("minimax", ["linear", "sliding"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -430,12 +430,13 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     frozen = {f"{la.name}.{t.name}" for la in model.manifest().layers for t in la.tensors
               if t.group == "frozen"}
     assert frozen == {f"{la}.{t}" for la, t in loaded if t.endswith(
-        ("e_score_correction_bias", "expert_bias", "layer_scalar")) or ".indexer." in t}
+        ("e_score_correction_bias", "expert_bias", "layer_scalar", "slope_rate", "_decay"))
+        or ".indexer." in t}  # (MiniMax's lightning attention: its decays, buffers too)
     assert (".indexer." in str(frozen)) is (family == "deepseek_v32")  # (never has gradients)
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
                                        "ernie4_5_moe", "gemma4_text", "solar_open",
                                        "exaone_moe", "hy_v3", "afmoe", "deepseek_v32",
-                                       "glm4_moe_lite"))
+                                       "glm4_moe_lite", "minimax"))
     if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
         build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
                                 freeze="*." + min(frozen).rsplit(".", 1)[1])).manifest()
@@ -660,7 +661,7 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "qwen3_next", "granitemoe",
-                                    "ernie4_5_moe"])
+                                    "ernie4_5_moe", "minimax"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
     micro-batch together, padding left out), carried from layer to layer, trains as the

@@ -74,6 +74,8 @@ class Arch:
     aux_loss: bool = True  # a MoE whose causal LM adds the load-balancing loss it is asked for
     causal_skip: bool = True  # False: the causal mask is always made (DeepSeek-V3.2's indexer
     #                           reads it), never left to SDPA's is_causal
+    full_slides: bool = False  # MiniMax: its full-attention layers slide when sliding_window
+    #                            is set
     untrained: tuple[str, ...] = ()  # a block's modules the library runs without gradients
     #                                  (DeepSeek-V3.2's indexer): frozen, as AdamW leaves them
 
@@ -180,6 +182,9 @@ ARCH = {
     "granite_swa": Arch("GraniteSWA", "granite_swa", sliding="layer_types", multipliers=True),
     # LayerNorm final norms: OLMo's without parameters, Nemotron's (weight + 1), StableLM's
     # and Jais 2's torch's
+    # MiniMax-Text-01 and M1: lightning (linear) attention layers among softmax ones
+    "minimax": Arch("MiniMax", "minimax", sliding="layer_types", full_slides=True,
+                    experts=MIXTRAL),
     "olmo": Arch("Olmo", "olmo", norm="olmo"),
     "nemotron": Arch("Nemotron", "nemotron", norm="layer1p"),
     "stablelm": Arch("StableLm", "stablelm", norm="layer"),
@@ -216,7 +221,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text", "ernie4_5", "glm",
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
                   "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
-                  "nemotron", "stablelm", "jais2"),
+                  "nemotron", "stablelm", "jais2", "minimax"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
@@ -303,6 +308,8 @@ def block_kinds(config) -> list[str]:
         kinds = ["sliding"] * n
     elif arch.sliding == "layer_types" and getattr(config, "layer_types", None):
         kinds = [LAYER_KINDS.get(t, "block") for t in config.layer_types[:n]]
+    if arch.full_slides and getattr(config, "sliding_window", None) is not None:
+        kinds = ["sliding" if k == "block" else k for k in kinds]
     if arch.nope_layers:
         kinds = [k if config.no_rope_layers[i] else f"{k}-nope" for i, k in enumerate(kinds)]
     if arch.experts:
