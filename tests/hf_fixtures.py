@@ -186,6 +186,14 @@ DECODERS = {
         head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4, sliding_window=4,
         layer_types=["linear_attention", "full_attention"], full_attn_alpha_factor=0.5,
         linear_attn_alpha_factor=1.5, mlp_alpha_factor=0.8, pad_token_id=0, eos_token_id=3)),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=3)),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
+        head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, sliding_window=4, pad_token_id=0, eos_token_id=3)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, router_jitter_noise=0.1,
+        pad_token_id=0, eos_token_id=3)),
     # LayerNorm final norms: OLMo (no parameters, clipped q/k/v), Nemotron (weight + 1, partial
     # rotary, relu2), StableLM (parallel residual, q/k norms, biases), Jais 2
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, pad_token_id=0,

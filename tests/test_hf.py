@@ -398,7 +398,9 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("solar_open", ["block", "block"]), ("exaone_moe", ["sliding-dense", "block"]),
     ("hy_v3", ["block-dense", "block"]), ("afmoe", ["sliding-dense", "block"]),
     ("deepseek_v32", ["block-dense", "block"]), ("glm4_moe_lite", ["block-dense", "block"]),
-    ("cohere2_moe", ["sliding", "block"]), ("minimax", ["linear", "sliding"])])
+    ("cohere2_moe", ["sliding", "block"]), ("minimax", ["linear", "sliding"]),
+    ("flex_olmo", ["block", "block"]), ("mimo_v2_flash", ["block-dense", "sliding"]),
+    ("phimoe", ["sliding", "sliding"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -436,7 +438,7 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
                                        "ernie4_5_moe", "gemma4_text", "solar_open",
                                        "exaone_moe", "hy_v3", "afmoe", "deepseek_v32",
-                                       "glm4_moe_lite", "minimax"))
+                                       "glm4_moe_lite", "minimax", "mimo_v2_flash"))
     if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
         build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
                                 freeze="*." + min(frozen).rsplit(".", 1)[1])).manifest()
@@ -661,7 +663,7 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "qwen3_next", "granitemoe",
-                                    "ernie4_5_moe", "minimax"])
+                                    "ernie4_5_moe", "minimax", "phimoe", "flex_olmo"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
     micro-batch together, padding left out), carried from layer to layer, trains as the
@@ -670,7 +672,7 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     share of the batch's loss terms); the loss matters (the routers end elsewhere without it)
     and is left out of an evaluation's loss. Qwen2-MoE: a dense layer passes the totals on;
     gpt-oss: its router has a bias; Qwen3-Next: a linear-attention layer among them;
-    GraniteMoE's and ERNIE 4.5's routers."""
+    GraniteMoE's, ERNIE 4.5's and PhiMoE's routers; MiniMax's among lightning attention."""
     over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
     path = fx.model_dir(tmp_path / "model", family, **over)
     data = data_for(family, tmp_path)
@@ -682,7 +684,8 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     without = train_hf(str(plain), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
     router = {"gpt_oss": "model.layers.0.mlp.router.weight",
               "granitemoe": "model.layers.0.block_sparse_moe.router.weight",
-              "ernie4_5_moe": "model.layers.1.mlp.gate.weight"}.get(  # (its layer 0: dense)
+              "ernie4_5_moe": "model.layers.1.mlp.gate.weight",  # (its layer 0: dense)
+              "phimoe": "model.layers.0.mlp.router.weight"}.get(
                   family, "model.layers.0.mlp.gate.weight")
     assert not torch.allclose(without[router], want[router], atol=1e-4)
 

@@ -10,7 +10,8 @@ This is the library's conversion mapping (transformers/conversion_mapping.py) fo
 applied as it loads and reversed as it saves; a checkpoint already in the stacked form is read
 as it is. gpt-oss's checkpoints keep the library's stacks (``STACKED``: experts x hidden x
 2*intermediate, gate and up interleaved, with biases), read and written as they are, as do
-Mistral 4's; GraniteMoE's keep them under names of their own, and ERNIE 4.5 its routing bias
+Mistral 4's; GraniteMoE's keep them under names of their own, as ERNIE 4.5, K-EXAONE and
+Hunyuan 3 their routing biases, PhiMoE its router and MiMo-V2-Flash its attention sinks
 (``renames``).
 """
 
@@ -99,6 +100,10 @@ EXAONE = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
 HUNYUAN3 = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
     ("mlp.e_score_correction_bias", "mlp.expert_bias"),
     ("mlp.gate.weight", "mlp.router.gate.weight"), ("mlp.shared_experts.", "mlp.shared_mlp.")))
+MIMO = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
+    ("self_attn.sinks", "self_attn.attention_sink_bias"),))  # (not an expert's: its attention)
+PHIMOE = ExpertNames("block_sparse_moe", "w1", "w3", "w2", renames=(
+    ("mlp.router.weight", "block_sparse_moe.gate.weight"),))
 GRANITE = ExpertNames("block_sparse_moe", "", "", "", per_expert=False, renames=(
     ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
     ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),

@@ -22,7 +22,9 @@ from .experts import (
     EXAONE,
     GRANITE,
     HUNYUAN3,
+    MIMO,
     MIXTRAL,
+    PHIMOE,
     QWEN,
     STACKED,
     ExpertNames,
@@ -185,6 +187,12 @@ ARCH = {
     # MiniMax-Text-01 and M1: lightning (linear) attention layers among softmax ones
     "minimax": Arch("MiniMax", "minimax", sliding="layer_types", full_slides=True,
                     experts=MIXTRAL),
+    "flex_olmo": Arch("FlexOlmo", "flex_olmo", experts=QWEN),
+    # MiMo-V2-Flash: attention sinks, a rotary per layer type
+    "mimo_v2_flash": Arch("MiMoV2Flash", "mimo_v2_flash", sliding="layer_types",
+                          rotary_by_type=True, experts=MIMO, aux_loss=False),
+    # Phi-3.5-MoE: a LayerNorm head, Mixtral's expert names, router noise
+    "phimoe": Arch("Phimoe", "phimoe", sliding="all", norm="layer", experts=PHIMOE),
     "olmo": Arch("Olmo", "olmo", norm="olmo"),
     "nemotron": Arch("Nemotron", "nemotron", norm="layer1p"),
     "stablelm": Arch("StableLm", "stablelm", norm="layer"),
@@ -221,7 +229,8 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "ernie4_5_moe", "granitemoe", "llama4_text", "gemma4_text", "ernie4_5", "glm",
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
                   "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
-                  "nemotron", "stablelm", "jais2", "minimax"),
+                  "nemotron", "stablelm", "jais2", "minimax", "flex_olmo", "mimo_v2_flash",
+                  "phimoe"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

@@ -271,8 +271,9 @@ def final_norm(config, arch) -> nn.Module:
     """The model's final norm, as the library builds it."""
     if arch.norm == "cohere":
         return arch.cls("LayerNorm")(hidden_size=config.hidden_size, eps=config.layer_norm_eps)
-    if arch.norm == "layer":  # (StarCoder2's eps is norm_epsilon, StableLM's layer_norm_eps)
-        eps = getattr(config, "norm_epsilon", None) or config.layer_norm_eps
+    if arch.norm == "layer":  # (its eps: StarCoder2's norm_epsilon, StableLM's layer_norm_eps,
+        eps = next(getattr(config, k) for k in ("norm_epsilon", "layer_norm_eps",  # PhiMoE's
+                                                "rms_norm_eps") if hasattr(config, k))  # rms)
         return nn.LayerNorm(config.hidden_size, eps=eps)
     if arch.norm == "olmo":  # OLMo's: no weight nor bias
         return arch.cls("LayerNorm")(config.hidden_size)
