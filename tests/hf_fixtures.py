@@ -194,6 +194,9 @@ DECODERS = {
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=4, router_jitter_noise=0.1,
         pad_token_id=0, eos_token_id=3)),
+    # VaultGemma: Gemma 2's shape (soft-capped attention and logits, sliding layers)
+    "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", dict(
+        head_dim=8, sliding_window=4, pad_token_id=0, eos_token_id=3)),
     # LayerNorm final norms: OLMo (no parameters, clipped q/k/v), Nemotron (weight + 1, partial
     # rotary, relu2), StableLM (parallel residual, q/k norms, biases), Jais 2
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, pad_token_id=0,

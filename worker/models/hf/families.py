@@ -193,6 +193,8 @@ ARCH = {
                           rotary_by_type=True, experts=MIMO, aux_loss=False),
     # Phi-3.5-MoE: a LayerNorm head, Mixtral's expert names, router noise
     "phimoe": Arch("Phimoe", "phimoe", sliding="all", norm="layer", experts=PHIMOE),
+    "vaultgemma": Arch("VaultGemma", "vaultgemma", sliding="layer_types", scaled_embedding=True,
+                       softcap=True),
     "olmo": Arch("Olmo", "olmo", norm="olmo"),
     "nemotron": Arch("Nemotron", "nemotron", norm="layer1p"),
     "stablelm": Arch("StableLm", "stablelm", norm="layer"),
@@ -230,7 +232,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
                   "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
                   "nemotron", "stablelm", "jais2", "minimax", "flex_olmo", "mimo_v2_flash",
-                  "phimoe"),
+                  "phimoe", "vaultgemma"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
