@@ -450,6 +450,42 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
         assert torch.equal(out.get(name), source.get(name)), name
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax"])
+def test_a_checkpoint_without_its_buffers_gets_the_library_values(tmp_path, family, caplog):
+    """A checkpoint lacking a block's persistent buffers (a routing bias, MiniMax's decays,
+    which depend on the layer) loads as from_pretrained loads it, with the values the
+    library's layer makes, and says so; a missing weight is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from protocol.tensors import plan_layout
+
+    over = dict(num_hidden_layers=3, layer_types=["linear_attention"] * 2 + [
+        "full_attention"]) if family == "minimax" else {}  # (two lightning layers)
+    path = fx.model_dir(tmp_path / "model", family, biases=True, **over)
+    state = load_file(str(path / "model.safetensors"))
+    buffers = {k for k in state if k.endswith(("e_score_correction_bias", "slope_rate", "_decay"))}
+    save_file({k: v for k, v in state.items() if k not in buffers},
+              str(path / "model.safetensors"), {"format": "pt"})
+    want = transformers.AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ))
+    loaded = {model.family.hf_name(p.name, n): t for p in plan_layout(model.manifest()).layers
+              for n, t in model.loader().load(p).items()}
+    assert buffers and all(torch.equal(loaded[k], want[k]) for k in buffers)
+    if family == "deepseek_v3":  # (the fixture's bias is random: not the library's zeros)
+        assert all(not torch.equal(loaded[k], state[k]) for k in buffers)
+    else:  # each layer's own
+        rates = [loaded[k] for k in sorted(buffers) if k.endswith("slope_rate")]
+        assert len(rates) == 2 and not torch.equal(*rates)
+    assert "the library's values" in caplog.text
+
+    weight = next(k for k in state if k.endswith("q_proj.weight") or k.endswith("q_a_proj.weight"))
+    save_file({k: v for k, v in state.items() if k != weight},
+              str(path / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ValueError, match="has no tensor"):
+        for p in plan_layout(model.manifest()).layers:
+            build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ)).loader().load(p)
+
+
 def _fp8_checkpoint(src, dst, block: tuple[int, int]):
     """``src``'s projections quantized as DeepSeek-V3's published checkpoint is: float8 e4m3
     with one fp32 scale per block (``<name>_scale_inv``), the rest as it was."""

@@ -6,8 +6,10 @@ bootstrapping a large model never holds it (nor a copy of it) in the worker. A c
 the base model alone (e.g. ``BertModel`` for a sequence classifier) names its tensors without
 the base prefix; tensors it lacks (a new classifier, BERT's pooler) are initialised as the
 library initialises a Linear (matrices normal(0, initializer_range), vectors 0), seeded by
-(seed, layer), and listed in a warning. A mixture of experts' per-expert tensors are stacked
-as the library stacks them (experts.py); FP8 and MXFP4 weights are dequantized (quantized.py).
+(seed, layer), and listed in a warning; a block's persistent buffers it lacks (a routing bias)
+get the values the library's layer makes, as from_pretrained gives them. A mixture of experts'
+per-expert tensors are stacked as the library stacks them (experts.py); FP8 and MXFP4 weights
+are dequantized (quantized.py).
 
 Out: ``export`` writes a directory ``from_pretrained`` loads: config (with the class and labels
 of the trained model, and the dtype written), the weights as save_pretrained writes them
@@ -31,7 +33,7 @@ from protocol.safetensors_io import SafetensorsFile
 from protocol.tensors import LayerPlan, plan_layout
 
 from ...config import size_bytes
-from ..base import derive_seed
+from ..base import derive_seed, params_on_meta
 from . import families, quantized, shards
 
 log = logging.getLogger("l2l_worker")
@@ -61,6 +63,7 @@ class HfCheckpoint:
             raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
                              "(only safetensors checkpoints are read)")
         self._open: dict[str, object] = {}
+        self._buffers: tuple[int, dict] = (-1, {})  # (block, its buffers): _buffer_default
         self.experts = families.ARCH[model.config.model_type].experts
         quant = quantized.method(model.source_config)
         self.fp8_block = quantized.fp8_block(model.source_config) if quant == "fp8" else None
@@ -102,7 +105,7 @@ class HfCheckpoint:
         return self._open[path].get(key)
 
     def load(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
-        out, fresh = {}, []
+        out, fresh, defaults = {}, [], []
         gen = torch.Generator().manual_seed(derive_seed(self.model.cfg.seed, "init", plan.index))
         for slot in plan.tensors:
             name = self.model.family.hf_name(plan.name, slot.name)
@@ -110,10 +113,13 @@ class HfCheckpoint:
             t = None if foreign else self._get(name)
             if t is None and not foreign and self.experts:
                 t = self.experts.read(name, slot.shape, self._get)
-            if t is None:
-                if not foreign and not name.startswith(self.model.family.new_head):
+            if t is None and not foreign and not name.startswith(self.model.family.new_head):
+                t = self._buffer_default(plan, slot.name)
+                if t is None:
                     raise ValueError(f"{self.path} has no tensor {name!r} (nor a legacy name "
-                                     "of it); only a new head may be missing")
+                                     "of it); only a new head, or a buffer, may be missing")
+                defaults.append(name)
+            elif t is None:
                 t = _fresh(slot.shape, self.model.config.initializer_range, gen)
                 fresh.append(name)
             elif tuple(t.shape) != slot.shape:
@@ -122,7 +128,23 @@ class HfCheckpoint:
             out[slot.name] = t
         if fresh:
             log.warning("%s has no %s: initialised fresh", self.path, ", ".join(fresh))
+        if defaults:
+            log.warning("%s has no %s: the library's values (as from_pretrained gives them)",
+                        self.path, ", ".join(defaults))
         return out
+
+    def _buffer_default(self, plan: LayerPlan, tensor: str) -> torch.Tensor | None:
+        """The value the library gives a block's persistent buffer (a routing bias, MiniMax's
+        decays, Gemma 4's layer scalar) that the checkpoint lacks, as its layer module makes
+        it (weights on meta); None if ``tensor`` is no buffer."""
+        if not (plan.name.startswith("blocks.") and tensor.startswith("layer.")):
+            return None
+        if self._buffers[0] != plan.index:
+            arch = families.ARCH[self.model.config.model_type]
+            with params_on_meta():
+                layer = arch.cls("DecoderLayer")(self.model.config, int(plan.name[7:]))
+            self._buffers = (plan.index, dict(layer.named_buffers()))
+        return self._buffers[1].get(tensor[len("layer."):])
 
 
 def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
