@@ -197,6 +197,13 @@ DECODERS = {
     # VaultGemma: Gemma 2's shape (soft-capped attention and logits, sliding layers)
     "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", dict(
         head_dim=8, sliding_window=4, pad_token_id=0, eos_token_id=3)),
+    # Granite 4.0-H: a Mamba-2 layer (chunks of 4 tokens) and an attention one, no rotary
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+        mamba_chunk_size=4, layer_types=["linear_attention", "full_attention"],
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=4.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=3)),
     # LayerNorm final norms: OLMo (no parameters, clipped q/k/v), Nemotron (weight + 1, partial
     # rotary, relu2), StableLM (parallel residual, q/k norms, biases), Jais 2
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, pad_token_id=0,

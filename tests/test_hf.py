@@ -400,7 +400,7 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("deepseek_v32", ["block-dense", "block"]), ("glm4_moe_lite", ["block-dense", "block"]),
     ("cohere2_moe", ["sliding", "block"]), ("minimax", ["linear", "sliding"]),
     ("flex_olmo", ["block", "block"]), ("mimo_v2_flash", ["block-dense", "sliding"]),
-    ("phimoe", ["sliding", "sliding"])])
+    ("phimoe", ["sliding", "sliding"]), ("granitemoehybrid", ["linear", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -699,7 +699,8 @@ def test_a_multimodal_checkpoint_trains_its_language_model(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "qwen3_next", "granitemoe",
-                                    "ernie4_5_moe", "minimax", "phimoe", "flex_olmo"])
+                                    "ernie4_5_moe", "minimax", "phimoe", "flex_olmo",
+                                    "granitemoehybrid"])
 def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, family):
     """output_router_logits: the routers' load-balancing loss (every MoE layer's routing of a
     micro-batch together, padding left out), carried from layer to layer, trains as the
@@ -720,6 +721,7 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path, fami
     without = train_hf(str(plain), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ)
     router = {"gpt_oss": "model.layers.0.mlp.router.weight",
               "granitemoe": "model.layers.0.block_sparse_moe.router.weight",
+              "granitemoehybrid": "model.layers.0.block_sparse_moe.router.weight",
               "ernie4_5_moe": "model.layers.1.mlp.gate.weight",  # (its layer 0: dense)
               "phimoe": "model.layers.0.mlp.router.weight"}.get(
                   family, "model.layers.0.mlp.gate.weight")

@@ -78,6 +78,8 @@ class Arch:
     #                           reads it), never left to SDPA's is_causal
     full_slides: bool = False  # MiniMax: its full-attention layers slide when sliding_window
     #                            is set
+    rope_optional: bool = False  # Granite 4.0-H: rotary only where position_embedding_type
+    #                              says "rope"
     untrained: tuple[str, ...] = ()  # a block's modules the library runs without gradients
     #                                  (DeepSeek-V3.2's indexer): frozen, as AdamW leaves them
 
@@ -195,6 +197,10 @@ ARCH = {
     "phimoe": Arch("Phimoe", "phimoe", sliding="all", norm="layer", experts=PHIMOE),
     "vaultgemma": Arch("VaultGemma", "vaultgemma", sliding="layer_types", scaled_embedding=True,
                        softcap=True),
+    # Granite 4.0-H: Mamba-2 layers (masked by padding alone, as linear attention) among
+    # attention ones, experts and a shared MLP, no rotary unless its config asks for it
+    "granitemoehybrid": Arch("GraniteMoeHybrid", "granitemoehybrid", sliding="layer_types",
+                             multipliers=True, experts=GRANITE, rope_optional=True),
     "olmo": Arch("Olmo", "olmo", norm="olmo"),
     "nemotron": Arch("Nemotron", "nemotron", norm="layer1p"),
     "stablelm": Arch("StableLm", "stablelm", norm="layer"),
@@ -232,7 +238,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
                   "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
                   "nemotron", "stablelm", "jais2", "minimax", "flex_olmo", "mimo_v2_flash",
-                  "phimoe", "vaultgemma"),
+                  "phimoe", "vaultgemma", "granitemoehybrid"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

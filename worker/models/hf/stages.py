@@ -214,7 +214,8 @@ class DecoderBlock(nn.Module):
         for name, p in self.layer.named_parameters():
             if name.startswith(arch.untrained):  # (no gradient ever: frozen, not decayed)
                 p.requires_grad_(False)
-        self.rotary_emb = arch.cls(arch.rotary)(config)
+        rope = not arch.rope_optional or config.position_embedding_type == "rope"
+        self.rotary_emb = arch.cls(arch.rotary)(config) if rope else None
         # (OLMo 3, Gemma 3: the rotary of the layer's type, local or global)
         self.rotary_args = (config.layer_types[layer_idx],) if arch.rotary_by_type else ()
         self.balance = balance
@@ -235,7 +236,8 @@ class DecoderBlock(nn.Module):
                          "chunked": create_chunked_causal_mask}.get(self.mixer,
                                                                     create_causal_mask)
             mask = _causal_mask(make_mask, self.config, x, batch, positions, self.causal_skip)
-        cos_sin = self.rotary_emb(x, positions, *self.rotary_args)
+        cos_sin = (self.rotary_emb(x, positions, *self.rotary_args)
+                   if self.rotary_emb is not None else None)
         out = self.layer(x, attention_mask=mask, position_ids=positions,
                          position_embeddings=cos_sin,
                          **({"shared_kv_states": {}} if self.shares_kv else {}))
