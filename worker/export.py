@@ -64,9 +64,11 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
     reader = CheckpointTensors(checkpoint, state)  # one EPS's files, or a shard job's boxes'
     for plan in plan_layout(manifest).layers:
         names = model.exported(plan)  # (a LoRA adapter: its own tensors only)
-        if names:
-            values = reader.master_tensors(plan)
-            tensors.update({(plan.name, n): values[n] for n in names})
+        if names:  # (views of the layer, but copies where an export may replace a frozen
+            values = reader.master_tensors(plan)  # tensor: the layer is let go then)
+            frozen = {s.name for s in plan.tensors if s.group == "frozen"} & set(names)
+            tensors.update({(plan.name, n): values[n].clone() if frozen else values[n]
+                            for n in names})
     model.export(out, tensors, {"format": "pt", "steps": str(step)})
     return step
 
