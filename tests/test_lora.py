@@ -224,14 +224,19 @@ def test_lora_of_conv1d_and_of_a_new_classifier_trains_as_peft(tmp_path, family,
                                  "up_proj", "down_proj", "shared_expert_gate"], 1e-2),
     ("qwen3_next", "q_proj,v_proj,in_proj_qkvz,out_proj,shared_expert_gate",
      ["q_proj", "v_proj", "in_proj_qkvz", "out_proj", "shared_expert_gate"], 1e-3),
-    ("qwen3_next", "q_proj,v_proj", ["q_proj", "v_proj"], 1e-3)])
+    ("qwen3_next", "q_proj,v_proj", ["q_proj", "v_proj"], 1e-3),
+    ("granitemoehybrid", "all-linear", ["in_proj", "out_proj", "q_proj", "k_proj", "v_proj",
+                                        "o_proj", "input_linear", "output_linear"], 1e-3),
+    ("deepseek_v32", "q_a_proj,o_proj,wk,wq_b", ["q_a_proj", "o_proj"], 1e-3)])
 def test_lora_of_a_mixture_of_experts_trains_as_peft(tmp_path, family, targets, modules, lr):
     """all-linear on Qwen2-MoE adapts what PEFT's all-linear adapts: the attention, the shared
     expert and its gate (Linear layers), not the router nor the stacked experts. On Qwen3-Next
     the linear attention's projections too, and q_proj,v_proj adapts its full-attention layer
     alone (the linear one has none). (PEFT reads gate_proj, up_proj or down_proj of Qwen3-Next
-    as its experts too, converting them from transformers 4: not compared.) 3 AdamW steps
-    through the executor equal PEFT's training from the same adapter."""
+    as its experts too, converting them from transformers 4: not compared.) Granite 4.0-H's
+    Mamba-2 projections and shared MLP too; DeepSeek-V3.2's indexer, which never trains, gets
+    no adapter (wk, wq_b). 3 AdamW steps through the executor equal PEFT's training from the
+    same adapter."""
     from peft import PeftModel
 
     path = fx.model_dir(tmp_path / "model", family)

@@ -138,7 +138,8 @@ def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
     their names, each with whether it is a ``Conv1D`` (weight in x out)."""
     want, conv1d = targets(spec, model_type), _conv1d()
     found = [(n, m) for n, m in module.named_modules() if type(m) in (nn.Linear, conv1d) and
-             (want is None or n.rpartition(".")[2] in want)]
+             (want is None or n.rpartition(".")[2] in want)
+             and m.weight.requires_grad]  # (not a linear the library never trains: frozen)
     kinds = {n.rpartition(".")[2]: type(m) is conv1d for n, m in found}
     for _, lin in found:
         transposed = type(lin) is conv1d
