@@ -171,8 +171,10 @@ DECODERS = {
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
         n_group=1, topk_group=1, moe_intermediate_size=16, pad_token_id=0, eos_token_id=3)),
+    # Cohere 2 MoE: its final norm an RMSNorm, as rms_norm_eps makes it
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(
         head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        rms_norm_eps=1e-6,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
         eos_token_id=3)),
     "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(

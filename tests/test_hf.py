@@ -9,6 +9,8 @@ over the same micro-batches, each layer's dropout seeded alike, padding in the b
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -296,7 +298,7 @@ def test_a_bf16_export_keeps_what_a_sub_model_keeps_in_fp32(tmp_path, monkeypatc
     assert family == "qwen3_moe" or any("patch_embed" in n for n in kept)
 
 
-def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeypatch):
+def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeypatch, caplog):
     """A bf16 source (as published models are) trained in fp32: the default export is the fp32
     master, and its config says so, so that from_pretrained (dtype "auto") loads it unrounded;
     --save-dtype auto writes the source's bf16. Past --save-max-shard-size the weights are
@@ -376,10 +378,12 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
             f".model.safetensors.partial-{dead.pid}-other.host"]
     for name in [*left, *stay]:
         (out / name).write_bytes(b"x")
-    want, got, _ = export(out)  # one file again: the shards and their index go
+    with caplog.at_level(logging.WARNING):
+        want, got, _ = export(out)  # one file again: the shards and their index go
     assert sorted(f.name for f in out.glob("model*")) == ["model.safetensors"]
     assert not any((out / name).exists() for name in left)
     assert all((out / name).exists() for name in stay)
+    assert "1 temporary export files of another host" in caplog.text
     assert all(torch.equal(got[k], v) for k, v in want.items())
     with pytest.raises(ValueError, match="save-max-shard-size"):
         ModelConfig(model=f"hf:{fp32}", save_max_shard_size="lots")
@@ -766,12 +770,15 @@ def test_unsupported_configs_are_refused(tmp_path):
     path = fx.model_dir(tmp_path / "model", "gpt2", scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         build_model(ModelConfig(model=f"hf:{path}"))
-    for over in (dict(hidden_size_per_layer_input=8), dict(
-            num_kv_shared_layers=1, num_hidden_layers=3,
-            layer_types=["sliding_attention", "full_attention", "full_attention"])):
-        gemma4 = fx.model_dir(tmp_path / list(over)[0], "gemma4_text",
+    for why, over in (("hidden_size_per_layer_input", dict(hidden_size_per_layer_input=8)),
+                      ("num_kv_shared_layers", dict(num_kv_shared_layers=1, num_hidden_layers=3,
+                                                    layer_types=["sliding_attention",
+                                                                 "full_attention"] + [
+                                                        "full_attention"])),
+                      ("bidirectional", dict(use_bidirectional_attention="all"))):
+        gemma4 = fx.model_dir(tmp_path / why, "gemma4_text",
                               **over)  # (the layers are not apart: per-layer inputs, shared KV)
-        with pytest.raises(ValueError, match=list(over)[0]):
+        with pytest.raises(ValueError, match=why):
             build_model(ModelConfig(model=f"hf:{gemma4}"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")

@@ -255,3 +255,16 @@ def test_mapped_safetensors_reads_views_of_the_file(tmp_path):
     (tmp_path / "bad").write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="not a safetensors file"):
         SafetensorsFile(str(tmp_path / "bad"))
+
+
+def test_a_received_frame_reads_as_a_tensor_even_empty():
+    """A layer's bytes as a ZeroMQ frame delivers them; an empty frame (the trained part of a
+    layer that trains nothing) is an empty tensor, not torch.frombuffer's error."""
+    import zmq
+
+    from worker.regions import frombuffer
+
+    values = torch.arange(6, dtype=torch.float32)
+    assert torch.equal(frombuffer(zmq.Frame(values.numpy().tobytes()), torch.float32), values)
+    empty = frombuffer(zmq.Frame(b""), torch.bfloat16)
+    assert empty.dtype == torch.bfloat16 and empty.numel() == 0

@@ -68,7 +68,7 @@ class Arch:
     classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
     rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's)
     norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer"
-    #                    (torch's), "olmo" (no parameters), "layer1p" (Nemotron's), "rms-free"
+    #                    (torch's), "olmo" (no parameters), "layer1p" (Nemotron's)
     logit_scale: bool = False  # Cohere: logits times logit_scale
     embedding_dropout: bool = False  # StarCoder2: dropout after the embedding
     head_bias: bool = False  # ERNIE 4.5: the LM head has a bias when config.use_bias says
@@ -184,9 +184,7 @@ ARCH = {
     "cohere2_moe": Arch("Cohere2Moe", "cohere2_moe", sliding="layer_types", norm="cohere",
                         logit_scale=True, experts=QWEN, aux_loss=False),
     "granite_swa": Arch("GraniteSWA", "granite_swa", sliding="layer_types", multipliers=True),
-    # LayerNorm final norms: OLMo's without parameters, Nemotron's (weight + 1), StableLM's
-    # and Jais 2's torch's
-    # MiniMax-Text-01 and M1: lightning (linear) attention layers among softmax ones
+    # MiniMax-Text-01: lightning (linear) attention layers among softmax ones
     "minimax": Arch("MiniMax", "minimax", sliding="layer_types", full_slides=True,
                     experts=MIXTRAL),
     "flex_olmo": Arch("FlexOlmo", "flex_olmo", experts=QWEN),
@@ -201,6 +199,8 @@ ARCH = {
     # attention ones, experts and a shared MLP, no rotary unless its config asks for it
     "granitemoehybrid": Arch("GraniteMoeHybrid", "granitemoehybrid", sliding="layer_types",
                              multipliers=True, experts=GRANITE, rope_optional=True),
+    # LayerNorm final norms: OLMo's without parameters, Nemotron's (weight + 1), StableLM's
+    # and Jais 2's torch's
     "olmo": Arch("Olmo", "olmo", norm="olmo"),
     "nemotron": Arch("Nemotron", "nemotron", norm="layer1p"),
     "stablelm": Arch("StableLm", "stablelm", norm="layer"),
@@ -317,8 +317,11 @@ LAYER_KINDS = {"sliding_attention": "sliding", "linear_attention": "linear",
 def block_kinds(config) -> list[str]:
     """The stage kind of each block (blocks of one kind compute alike), by each model's own
     rule: Mistral and Phi-3 slide every layer when ``sliding_window`` is set, Qwen2/3, Gemma 2
-    and SmolLM3 follow ``layer_types``, the others never slide; SmolLM3's ``no_rope_layers``
-    marks the layers without rotary ("-nope"), Qwen-MoE's dense layers are "-dense"."""
+    and SmolLM3 follow ``layer_types`` (its linear-attention, Mamba and Llama 4's chunked
+    layers are kinds of their own), MiniMax's full-attention layers slide when
+    ``sliding_window`` is set, the others never slide; SmolLM3's and Llama 4's
+    ``no_rope_layers`` mark the layers without rotary ("-nope"), a MoE's dense layers are
+    "-dense"."""
     n, arch = config.num_hidden_layers, ARCH[config.model_type]
     kinds = ["block"] * n
     if arch.sliding == "all" and getattr(config, "sliding_window", None) is not None:

@@ -16,6 +16,7 @@ judged alive or gone only on its own host: containers may share the directory).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -24,6 +25,8 @@ from collections.abc import Collection
 import torch
 
 from protocol.safetensors_io import write_safetensors, written_dtype
+
+log = logging.getLogger("l2l_worker")
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -110,13 +113,22 @@ def write_weights(path: str, named: list[tuple[str, torch.Tensor]], dtype: torch
 def remove_leftovers(path: str) -> None:
     """The temporary files of an export that was killed while it wrote into ``path`` (its
     process gone; a live one's, or another host's, are left to it)."""
+    others = []
     for f in os.listdir(path):
         m = PARTIAL.fullmatch(f)
-        if m and m.group(2) in (_host(), None) and not _alive(int(m.group(1))):
+        if m and m.group(2) not in (_host(), None):
+            others.append(f)
+        elif m and not _alive(int(m.group(1))):
             try:
                 os.remove(os.path.join(path, f))
             except FileNotFoundError:
                 pass
+    if others:  # (a container's host name changes when it is made again: say what is left)
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in others
+                   if os.path.exists(os.path.join(path, f)))
+        log.warning("%s holds %d temporary export files of another host (%s, %.1f GB): left "
+                    "to it; remove them if no export from there is running", path, len(others),
+                    others[0], size / 1e9)
 
 
 def _alive(pid: int) -> bool:

@@ -271,7 +271,9 @@ class DecoderClassifier(nn.Module):
 
 def final_norm(config, arch) -> nn.Module:
     """The model's final norm, as the library builds it."""
-    if arch.norm == "cohere":
+    if arch.norm == "cohere":  # (Cohere 2 MoE's is an RMSNorm where its config sets the eps)
+        if getattr(config, "rms_norm_eps", None) is not None:
+            return arch.cls("RMSNorm")(hidden_size=config.hidden_size, eps=config.rms_norm_eps)
         return arch.cls("LayerNorm")(hidden_size=config.hidden_size, eps=config.layer_norm_eps)
     if arch.norm == "layer":  # (its eps: StarCoder2's norm_epsilon, StableLM's layer_norm_eps,
         eps = next(getattr(config, k) for k in ("norm_epsilon", "layer_norm_eps",  # PhiMoE's
@@ -281,8 +283,6 @@ def final_norm(config, arch) -> nn.Module:
         return arch.cls("LayerNorm")(config.hidden_size)
     if arch.norm == "layer1p":  # Nemotron's: LayerNorm with weight + 1
         return arch.cls("LayerNorm1P")(config.hidden_size, eps=config.norm_eps)
-    if arch.norm == "rms-free":  # NanoChat's: no weight
-        return arch.cls("RMSNorm")(eps=config.rms_norm_eps)
     return arch.cls("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
 
 
