@@ -202,11 +202,11 @@ def checkpoint_buffers(module: nn.Module) -> None:
 
 class DecoderBlock(nn.Module):
     """One decoder layer (built as layer ``layer_idx``, which the config may set apart: its
-    window, its rotary), its rotary module (buffers only: one per worker; none where the model
-    has none) and its mask: full causal, sliding-window or chunked (Llama 4) for the layers the
-    config says, the padding alone for linear-attention and Mamba layers. With a ``balance``
-    the boundary also carries the routing totals, to which a MoE layer adds its router's
-    (balance.py)."""
+    window, its rotary), its rotary module (buffers only: one per worker; none where Granite
+    4.0-H's config asks for none) and its mask: full causal, sliding-window or chunked (Llama
+    4) for the layers the config says, the padding alone for linear-attention and Mamba
+    layers. With a ``balance`` the boundary also carries the routing totals, to which a MoE
+    layer adds its router's (balance.py)."""
 
     def __init__(self, config, arch, layer_idx: int, mixer: str = "block", balance=None):
         super().__init__()
