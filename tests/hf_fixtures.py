@@ -206,6 +206,14 @@ DECODERS = {
         mamba_chunk_size=4, layer_types=["linear_attention", "full_attention"],
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
         logits_scaling=4.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=3)),
+    # Kimi Linear: a Kimi delta attention layer (short convolutions, a per-channel forget
+    # gate) with a dense MLP, then a latent-attention layer (no rotary) with experts
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+        linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        num_shared_experts=1, pad_token_id=0, eos_token_id=3)),
     # LayerNorm final norms: OLMo (no parameters, clipped q/k/v), Nemotron (weight + 1, partial
     # rotary, relu2), StableLM (parallel residual, q/k norms, biases), Jais 2
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, pad_token_id=0,

@@ -404,7 +404,8 @@ def test_export_writes_its_dtype_and_shards_as_save_pretrained(tmp_path, monkeyp
     ("deepseek_v32", ["block-dense", "block"]), ("glm4_moe_lite", ["block-dense", "block"]),
     ("cohere2_moe", ["sliding", "block"]), ("minimax", ["linear", "sliding"]),
     ("flex_olmo", ["block", "block"]), ("mimo_v2_flash", ["block-dense", "sliding"]),
-    ("phimoe", ["sliding", "sliding"]), ("granitemoehybrid", ["linear", "block"])])
+    ("phimoe", ["sliding", "sliding"]), ("granitemoehybrid", ["linear", "block"]),
+    ("kimi_linear", ["linear-dense", "block"])])
 def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_path, family,
                                                                            kinds):
     """The library stacks a MoE layer's experts (each expert's gate rows, then its up rows;
@@ -442,7 +443,8 @@ def test_a_mixture_of_experts_reads_and_writes_its_experts_as_the_library(tmp_pa
     assert bool(frozen) is (family in ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1",
                                        "ernie4_5_moe", "gemma4_text", "solar_open",
                                        "exaone_moe", "hy_v3", "afmoe", "deepseek_v32",
-                                       "glm4_moe_lite", "minimax", "mimo_v2_flash"))
+                                       "glm4_moe_lite", "minimax", "mimo_v2_flash",
+                                       "kimi_linear"))
     if frozen:  # --freeze may name it (a pattern that matches only it is not "unused")
         build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
                                 freeze="*." + min(frozen).rsplit(".", 1)[1])).manifest()

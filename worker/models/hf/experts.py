@@ -12,7 +12,7 @@ as it is. gpt-oss's checkpoints keep the library's stacks (``STACKED``: experts 
 2*intermediate, gate and up interleaved, with biases), read and written as they are, as do
 Mistral 4's; GraniteMoE's keep them under names of their own, as ERNIE 4.5, K-EXAONE and
 Hunyuan 3 their routing biases, PhiMoE its router and MiMo-V2-Flash its attention sinks
-(``renames``).
+(``renames``); Kimi Linear keeps its q/k/v convolutions apart (``joins``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ class ExpertNames:
     # (the library's, the checkpoint's) parts of names that differ, the tensor the same:
     # GraniteMoE's stacks and router, ERNIE 4.5's routing bias
     renames: tuple[tuple[str, str], ...] = ()
+    # (the library's tensor, the checkpoint's it concatenates along dim 0, equal in size):
+    # Kimi Linear's q/k/v convolutions, one in the library
+    joins: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def _joined(self, name: str) -> tuple[str, tuple[str, ...]] | None:
+        for ours, theirs in self.joins:
+            if name.endswith(ours):
+                prefix = name[:-len(ours)]
+                return prefix, tuple(prefix + t for t in theirs)
+        return None
 
     def _renamed(self, name: str, back: bool = False) -> str | None:
         for ours, theirs in self.renames:
@@ -52,6 +62,9 @@ class ExpertNames:
         (``get``: a checkpoint tensor by name, None if absent); None if it has none."""
         if (renamed := self._renamed(name)) is not None:
             return get(renamed)
+        if (joined := self._joined(name)) is not None:
+            parts = [get(t) for t in joined[1]]
+            return None if any(t is None for t in parts) else torch.cat(parts, 0)
         if not self.per_expert:
             return None
         if name.endswith((GATE_UP, DOWN)):
@@ -74,6 +87,8 @@ class ExpertNames:
         writes them)."""
         if (renamed := self._renamed(name)) is not None:
             return [(renamed, t)]
+        if (joined := self._joined(name)) is not None:
+            return list(zip(joined[1], (p.contiguous() for p in t.chunk(len(joined[1]), 0))))
         if not self.per_expert:
             return [(name, t)]
         if name.endswith(GATE_UP):
@@ -104,6 +119,10 @@ MIMO = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", renames=(
     ("self_attn.sinks", "self_attn.attention_sink_bias"),))  # (not an expert's: its attention)
 PHIMOE = ExpertNames("block_sparse_moe", "w1", "w3", "w2", renames=(
     ("mlp.router.weight", "block_sparse_moe.gate.weight"),))
+KIMI = ExpertNames("block_sparse_moe", "w1", "w3", "w2", renames=(
+    ("self_attn.forget_gate.", "self_attn."),), joins=(
+    ("self_attn.conv1d.weight", ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight",
+                                 "self_attn.v_conv1d.weight")),))
 GRANITE = ExpertNames("block_sparse_moe", "", "", "", per_expert=False, renames=(
     ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
     ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),

@@ -22,6 +22,7 @@ from .experts import (
     EXAONE,
     GRANITE,
     HUNYUAN3,
+    KIMI,
     MIMO,
     MIXTRAL,
     PHIMOE,
@@ -66,7 +67,8 @@ class Arch:
     experts: ExpertNames | None = None  # a mixture of experts: its checkpoint names (experts.py)
     rotary_by_type: bool = False  # OLMo 3, Gemma 3: a rotary per layer type (local, global)
     classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
-    rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's)
+    rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's;
+    #                                  "": none, Kimi Linear's layers have no rotary)
     norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer"
     #                    (torch's), "olmo" (no parameters), "layer1p" (Nemotron's)
     logit_scale: bool = False  # Cohere: logits times logit_scale
@@ -199,6 +201,9 @@ ARCH = {
     # attention ones, experts and a shared MLP, no rotary unless its config asks for it
     "granitemoehybrid": Arch("GraniteMoeHybrid", "granitemoehybrid", sliding="layer_types",
                              multipliers=True, experts=GRANITE, rope_optional=True),
+    # Kimi Linear: Kimi delta attention (linear) layers and latent attention ones, no rotary
+    "kimi_linear": Arch("KimiLinear", "kimi_linear", sliding="layer_types", rotary="",
+                        experts=KIMI, aux_loss=False),
     # LayerNorm final norms: OLMo's without parameters, Nemotron's (weight + 1), StableLM's
     # and Jais 2's torch's
     "olmo": Arch("Olmo", "olmo", norm="olmo"),
@@ -238,7 +243,7 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
                   "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
                   "nemotron", "stablelm", "jais2", "minimax", "flex_olmo", "mimo_v2_flash",
-                  "phimoe", "vaultgemma", "granitemoehybrid"),
+                  "phimoe", "vaultgemma", "granitemoehybrid", "kimi_linear"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],

@@ -202,11 +202,11 @@ def checkpoint_buffers(module: nn.Module) -> None:
 
 class DecoderBlock(nn.Module):
     """One decoder layer (built as layer ``layer_idx``, which the config may set apart: its
-    window, its rotary), its rotary module (buffers only: one per worker; none where Granite
-    4.0-H's config asks for none) and its mask: full causal, sliding-window or chunked (Llama
-    4) for the layers the config says, the padding alone for linear-attention and Mamba
-    layers. With a ``balance`` the boundary also carries the routing totals, to which a MoE
-    layer adds its router's (balance.py)."""
+    window, its rotary), its rotary module (buffers only: one per worker; none for Kimi
+    Linear, or where Granite 4.0-H's config asks for none) and its mask: full causal,
+    sliding-window or chunked (Llama 4) for the layers the config says, the padding alone for
+    linear-attention and Mamba layers. With a ``balance`` the boundary also carries the
+    routing totals, to which a MoE layer adds its router's (balance.py)."""
 
     def __init__(self, config, arch, layer_idx: int, mixer: str = "block", balance=None):
         super().__init__()
@@ -217,7 +217,8 @@ class DecoderBlock(nn.Module):
             if name.startswith(arch.untrained):  # (no gradient ever: frozen, not decayed)
                 p.requires_grad_(False)
         rope = not arch.rope_optional or config.position_embedding_type == "rope"
-        self.rotary_emb = arch.cls(arch.rotary)(config) if rope else None
+        self.rotary_emb = arch.cls(arch.rotary)(config) if rope and arch.rotary else None
+        self.passes_rotary = bool(arch.rotary)  # (else the layer takes no position_embeddings)
         # (OLMo 3, Gemma 3: the rotary of the layer's type, local or global)
         self.rotary_args = (config.layer_types[layer_idx],) if arch.rotary_by_type else ()
         self.balance = balance
@@ -238,11 +239,11 @@ class DecoderBlock(nn.Module):
                          "chunked": create_chunked_causal_mask}.get(self.mixer,
                                                                     create_causal_mask)
             mask = _causal_mask(make_mask, self.config, x, batch, positions, self.causal_skip)
-        cos_sin = (self.rotary_emb(x, positions, *self.rotary_args)
-                   if self.rotary_emb is not None else None)
-        out = self.layer(x, attention_mask=mask, position_ids=positions,
-                         position_embeddings=cos_sin,
-                         **({"shared_kv_states": {}} if self.shares_kv else {}))
+        extra = {"shared_kv_states": {}} if self.shares_kv else {}
+        if self.passes_rotary:
+            extra["position_embeddings"] = (self.rotary_emb(x, positions, *self.rotary_args)
+                                            if self.rotary_emb is not None else None)
+        out = self.layer(x, attention_mask=mask, position_ids=positions, **extra)
         if not self.balance:
             return out
         for logits in self.routers.take():
