@@ -16,6 +16,7 @@ deterministically); results still arrive through ``on_done``.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -163,9 +164,10 @@ class Engines:
 
     def _init(self, job: Init) -> str:
         """Writes the layer's initial values; returns why they are refused ("" if not)."""
-        if not all_finite(job.data) or (job.tail is not None and not all_finite(job.tail)):
+        big = largest(job.data)  # (one pass: NaN or inf where an element is)
+        if not math.isfinite(big) or (job.tail is not None and not all_finite(job.tail)):
             return "are not all finite"
-        if self.store.compute_dtype == "float16" and (big := largest(job.data)) >= FP16_OVERFLOW:
+        if self.store.compute_dtype == "float16" and big >= FP16_OVERFLOW:
             return (f"reach {big:.6g}, beyond float16's range (65504): --precision fp16 cannot "
                     "serve them (bf16 can)")
         self.store.write_initial(job.layer, job.data, job.tail)

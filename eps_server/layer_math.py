@@ -17,6 +17,7 @@ keeps that rank's dtype, with several the fp32 sum.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,17 +128,15 @@ FP16_OVERFLOW = 65520.0  # the smallest magnitude float16 rounds to inf (65504 i
 
 
 def largest(t: torch.Tensor) -> float:
-    """The largest magnitude in ``t`` (0 if empty)."""
+    """The largest magnitude in ``t`` (0 if empty; inf or NaN where an element is: min and
+    max propagate NaN). Exact, nothing to overflow (initial values; the kernels check
+    gradients)."""
     if t.numel() == 0:
         return 0.0
     lo, hi = torch.aminmax(t)
-    return max(-float(lo), float(hi))
+    return float(torch.maximum(-lo, hi))
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True if every element is finite: then so are the smallest and the largest (min and max
-    propagate NaN). Exact, nothing to overflow (initial values; the kernels check gradients)."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    """True if every element is finite."""
+    return math.isfinite(largest(t))

@@ -239,6 +239,11 @@ class LayerPlan:
         tensors after it."""
         return self.groups["frozen"][0] if "frozen" in self.groups else self.numel
 
+    @property
+    def frozen_names(self) -> frozenset[str]:
+        """The names of its frozen tensors (after the trainable prefix)."""
+        return frozenset(s.name for s in self.tensors if s.group == "frozen")
+
     def byte_offset(self, dtype: str) -> int:
         return self.offset * itemsize(dtype)
 

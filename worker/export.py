@@ -66,8 +66,8 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
         names = model.exported(plan)  # (a LoRA adapter: its own tensors only)
         if names:  # (views of the layer, but copies where an export may replace a frozen
             values = reader.master_tensors(plan)  # tensor: the layer is let go then)
-            frozen = {s.name for s in plan.tensors if s.group == "frozen"} & set(names)
-            tensors.update({(plan.name, n): values[n].clone() if frozen else values[n]
+            copy = bool(plan.frozen_names.intersection(names))
+            tensors.update({(plan.name, n): values[n].clone() if copy else values[n]
                             for n in names})
     model.export(out, tensors, {"format": "pt", "steps": str(step)})
     return step

@@ -118,8 +118,7 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
         names = model.exported(plan)  # (a LoRA adapter: its own tensors only)
         if not names:
             continue
-        frozen = {s.name for s in plan.tensors if s.group == "frozen"}
-        trained = not frozen & set(names)
+        trained = not plan.frozen_names.intersection(names)
         ready, frames = client.wait(client.fetch(plan.index, version,
                                                  which="trained" if trained else "master"))
         views = named_views(layer_view(regions, plan, ready, frames, trained), plan,
@@ -127,7 +126,7 @@ def save_model(client: EpsClient, regions: Regions, model, layout: Layout, versi
         # Views of the whole layer, but copies of a part of it, or of a received frame with
         # frozen tensors (an export may replace them with their exact values, unrounded: the
         # frame is let go then, not held beside them).
-        share = len(names) == len(plan.tensors) and not (frames and frozen & set(names))
+        share = len(names) == len(plan.tensors) and (trained or not frames)
         if share:
             keep.append(frames)  # frames must outlive the views written below
         for name in names:
