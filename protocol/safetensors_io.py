@@ -127,6 +127,9 @@ class SafetensorsFile:
     def __contains__(self, name: str) -> bool:
         return name in self._header
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._header[name]["shape"])
+
     def get(self, name: str) -> torch.Tensor:
         info = self._header[name]
         dtype = _FROM_ST.get(info["dtype"])

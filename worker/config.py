@@ -107,6 +107,12 @@ class ModelConfig:
     PEFT's SEQ_CLS task), so a new head learns; none: nothing."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input (PEFT's lora_dropout)."""
+    lora_init: str = ""
+    """Start LoRA from this PEFT adapter directory (adapter_config.json and
+    adapter_model.safetensors, as PEFT's save_pretrained or --save write them), as
+    PeftModel.from_pretrained(base, DIR, is_trainable=True) does: its config sets the LoRA
+    options (--lora-rank and the others may be left out; given, they must agree; --lora-dropout
+    may differ), its tensors are the adapters' (and modules to save's) initial values."""
     merge: bool = False
     """With LoRA: --save (and l2l-export) write the whole model with the adapter merged into
     its weights (W + alpha/r B A), not the adapter."""
@@ -134,6 +140,13 @@ class ModelConfig:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if not 0 <= self.dropout < 1:
             raise ValueError("dropout must be in [0, 1)")
+        if self.lora_init:
+            if not self.model.startswith("hf:") or self.init_from:
+                raise ValueError("--lora-init starts an adapter of a Hugging Face model "
+                                 "(--model hf:DIR), not with --init-from")
+            from .lora_options import resolve
+
+            resolve(self)
         if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
             raise ValueError("lora_rank must be >= 0, lora_alpha > 0, lora_dropout in [0, 1)")
         if self.lora_rank and not self.model.startswith("hf:"):

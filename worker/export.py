@@ -81,7 +81,10 @@ def recorded(given: dict) -> dict:
             model = json.load(f).get("model")
     except (KeyError, TypeError, OSError, ValueError, AttributeError):
         return {}  # no checkpoint given, or one export_checkpoint says is unreadable
-    return {"model": model} if isinstance(model, dict) else {}
+    if not isinstance(model, dict):
+        return {}
+    # (the LoRA options --lora-init set are recorded; its directory is not needed again)
+    return {"model": {k: v for k, v in model.items() if k != "lora_init"}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -293,8 +293,8 @@ class LoraInit:
 
 def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict,
                   dtype: torch.dtype | None = None) -> None:
-    """PEFT's adapter directory: ``named`` maps the library's tensor names to the adapter's
-    tensors (written in ``dtype``)."""
+    """PEFT's adapter directory: ``named`` maps PEFT's names (``base_model.model.`` and the
+    library's) to the adapter's tensors (written in ``dtype``)."""
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(
             os.path.join(path, "adapter_config.json")):
         raise ValueError(f"{path} is a non-empty directory that is not an adapter; not "
@@ -303,7 +303,7 @@ def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict,
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     write_safetensors(os.path.join(path, "adapter_model.safetensors"),
-                      [(f"base_model.model.{n}", t.contiguous()) for n, t in named.items()],
+                      [(n, t.contiguous()) for n, t in named.items()],
                       {"format": "pt"}, dtype=dtype)
 
 

@@ -26,7 +26,7 @@ import torch
 from ...config import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
-from . import families, multimodal, quantized
+from . import adapter, families, multimodal, quantized
 from .checkpoint import HfCheckpoint, export, unrounded
 
 log = logging.getLogger("l2l_worker")
@@ -158,6 +158,11 @@ class HfModel(LayeredModel):
             self.lora_stacked.update(stacked)
         return module
 
+    def adapter_name(self, layer: str, tensor: str) -> str:
+        """A trained tensor's name in PEFT's adapter file (the library's, as PEFT holds it)."""
+        name = self.family.hf_name(layer, tensor)
+        return "base_model.model." + (self.wrapper.in_memory(name) if self.wrapper else name)
+
     def lora_trains(self):
         if not self.cfg.lora_rank:
             return None
@@ -178,7 +183,8 @@ class HfModel(LayeredModel):
         given = self.cfg.lora_modules_to_save.strip()
         names = [self.family.hf_name(*(t.tie or (la.name, t.name)))
                  for la in manifest.layers for t in la.tensors]  # (a tie: its owner)
-        unused = [m for m in self.lora_saved if not any(lora.saved(n, (m,)) for n in names)]
+        unused = [m for m in self.lora_saved if not any(lora.saved(n, (m,)) for n in names)
+                  and not (self.objective == "classify" and m in lora.CLASSIFIER_HEADS)]
         if unused and given not in ("auto", "none"):
             raise ValueError(f"--lora-modules-to-save {unused[0]!r} matches no module of the "
                              f"model (a tied tensor is its owner's, e.g. {names[0]})")
@@ -195,6 +201,8 @@ class HfModel(LayeredModel):
                         f"--lora-modules-to-save trains {self.family.hf_name(*t.tie)}, which "
                         f"{name} reads (tied embeddings): PEFT's adapter would load it "
                         "untied; leave it out")
+        if self.cfg.lora_init:
+            adapter.check(self, manifest)
         return manifest
 
     def exported(self, plan) -> list[str]:
@@ -221,7 +229,9 @@ class HfModel(LayeredModel):
     def loader(self, served: torch.dtype = torch.float32):
         if self._loader is None:
             self._loader = super().loader() if self.cfg.init_from else HfCheckpoint(self)
-            if self.cfg.lora_rank and not self.cfg.init_from:
+            if self.cfg.lora_init:  # (a PEFT adapter's values: its tensors)
+                self._loader = adapter.AdapterInit(self, self._loader)
+            elif self.cfg.lora_rank and not self.cfg.init_from:
                 self.manifest()  # (whether the adapted layers are Conv1D)
                 self._loader = lora.LoraInit(self._loader, self.cfg.seed,
                                              self.lora_fan_in_fan_out)
@@ -254,11 +264,10 @@ class HfModel(LayeredModel):
             return export(self, path, lora.merged(unrounded(self, tensors), scale,
                                                   self.lora_fan_in_fan_out, self.lora_stacked))
         trains = self.lora_trains()
-        named = {self.family.hf_name(layer, n): t for (layer, n), t in tensors.items()
+        named = {self.adapter_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}
         targets = sorted(self.lora_modules)
-        if self.wrapper:  # PEFT's names; a pattern, so that PEFT leaves the vision tower be
-            named = {self.wrapper.in_memory(n): t for n, t in named.items()}
+        if self.wrapper:  # a pattern, so that PEFT leaves the vision tower be
             targets = self.wrapper.lora_pattern(targets)
         lora.adapter_files(path, named, {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if self.objective == "lm" else

@@ -1,0 +1,205 @@
+"""--lora-init DIR: LoRA that starts from a PEFT adapter (its config, its tensors) trains as
+``PeftModel.from_pretrained(base, DIR, is_trainable=True)`` trains; an adapter l2l cannot
+build, or one of another model, is refused with what is wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from protocol.tensors import plan_layout
+from worker.config import ModelConfig
+from worker.export import main as export_main
+from worker.models import build_model
+
+from . import hf_fixtures as fx
+from .baseline import assert_close, train_local_l2l
+from .helpers import ENV
+from .hf_baseline import train_hf
+from .test_hf import data_for
+from .test_launch import LAUNCH
+from .test_lora import _peft_names
+
+peft = pytest.importorskip("peft")
+
+SEQ = 16
+
+
+def _peft_adapter(path, out, classes: int = 0, **config) -> dict[str, torch.Tensor]:
+    """PEFT's adapter of the model at ``path`` (its own LoraConfig and initialisation), every
+    B (and a new head) moved off its start, saved by PEFT: its tensors."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    auto = (transformers.AutoModelForSequenceClassification if classes
+            else transformers.AutoModelForCausalLM)
+    base = auto.from_pretrained(str(path), **({"num_labels": classes} if classes else {}))
+    task = "SEQ_CLS" if classes else "CAUSAL_LM"
+    model = get_peft_model(base, LoraConfig(task_type=task, **config))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and "lora_A" not in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(str(out))
+    return load_file(str(out / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("family, classes, config", [
+    ("llama", 0, {"r": 4, "lora_alpha": 16, "use_rslora": True,
+                  "target_modules": ["q_proj", "v_proj", "o_proj"]}),
+    ("bert-base", 3, {"r": 2, "lora_alpha": 4, "use_dora": True,
+                      "target_modules": ["query", "value"]})],
+    ids=["llama-rslora", "bert-new-head-dora"])
+def test_lora_init_trains_a_peft_adapter_as_peft_does(tmp_path, family, classes, config):
+    """A PEFT adapter whose B (and a new classifier head, DoRA's magnitudes) are not where
+    PEFT starts them: its config sets l2l's LoRA options, and 3 AdamW steps through the
+    executor from its tensors equal PEFT's training of the library model from
+    ``PeftModel.from_pretrained(base, DIR, is_trainable=True)`` (FP32, 1e-5 + 1e-4 rel)."""
+    from peft import PeftModel
+
+    path = fx.model_dir(tmp_path / "model", family, biases=True)
+    data = data_for(family, tmp_path, classes=classes)
+    init = tmp_path / "init"
+    start = _peft_adapter(path, init, classes, **config)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, classes=classes, lora_init=str(init))
+    assert (cfg.lora_rank, cfg.lora_alpha) == (config["r"], config["lora_alpha"])
+    assert (cfg.lora_rslora, cfg.lora_dora) == (config.get("use_rslora", False),
+                                                config.get("use_dora", False))
+    assert cfg.lora_targets == ",".join(sorted(config["target_modules"]))
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
+    want = _peft_names(train_hf(
+        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+        classes=classes, wrap=lambda hf: PeftModel.from_pretrained(hf, str(init),
+                                                                   is_trainable=True)))
+    assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
+    trained = {k.removeprefix("base_model.model."): v for k, v in start.items()}
+    assert set(trained) == {k for k in got if k in trained} and len(trained) > 2
+    assert not any(torch.equal(got[k], v) for k, v in trained.items())  # all of them moved
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3-vlm"])
+def test_an_adapter_l2l_saved_starts_where_it_ended(tmp_path, family):
+    """An adapter --save wrote (here: seeded values moved, as training moves them) read back
+    with --lora-init: the loader gives its tensors exactly, the base model's from the
+    checkpoint; the options come from its config (a multimodal model's language model: the
+    pattern --save writes for its targets)."""
+    path = fx.model_dir(tmp_path / "model", family)
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8,
+                      lora_targets="q_proj,k_proj", lora_rslora=True)
+    model = build_model(cfg)
+    tensors = {}
+    for plan in plan_layout(model.manifest()).layers:
+        tensors.update({(plan.name, n): v + 0.01 * (n.endswith("lora_B.weight"))
+                        for n, v in model.loader().load(plan).items()})
+    model.export(str(tmp_path / "adapter"), dict(tensors), {})
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert isinstance(written["target_modules"], str) is family.endswith("-vlm")
+    again = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                                    lora_init=str(tmp_path / "adapter")))
+    assert again.cfg.lora_rslora and again.cfg.lora_targets == "k_proj,q_proj"
+    loaded = 0
+    for plan in plan_layout(again.manifest()).layers:
+        for n, v in again.loader().load(plan).items():
+            assert torch.equal(v.float(), tensors[plan.name, n]), (plan.name, n)
+            loaded += ".lora_" in n
+    assert loaded == 2 * 2 * again.config.num_hidden_layers  # (A and B of q_proj, k_proj)
+
+
+def _adapter(tmp_path, config: dict, tensors: dict | None = None):
+    out = tmp_path / "adapter"
+    out.mkdir(exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+         **config}))
+    if tensors is not None:
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("config, given, why", [
+    ({"rank_pattern": {"q_proj": 8}}, {}, "rank_pattern"),
+    ({"layers_to_transform": [0]}, {}, "layers_to_transform"),
+    ({"bias": "lora_only"}, {}, "bias"),
+    ({"peft_type": "IA3"}, {}, "IA3 adapter"),
+    ({"target_modules": "model.*q_proj"}, {}, "pattern"),
+    ({"target_modules": ["self_attn.q_proj"]}, {}, "last name"),
+    ({}, {"lora_rank": 8}, "--lora-rank 8 disagrees"),
+    ({}, {"lora_targets": "q_proj,k_proj"}, "--lora-targets q_proj,k_proj disagrees"),
+    ({}, {"init_from": "x.safetensors"}, "not with --init-from")])
+def test_an_adapter_l2l_does_not_build_is_refused(tmp_path, config, given, why):
+    path = fx.model_dir(tmp_path / "model", "llama")
+    init = _adapter(tmp_path, config)
+    with pytest.raises(ValueError, match=why):
+        ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init), **given)
+    # agreeing options, and a new dropout, are taken
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(_adapter(tmp_path, {})),
+                      lora_rank=4, lora_targets="v_proj,q_proj", lora_dropout=0.1)
+    assert (cfg.lora_rank, cfg.lora_dropout) == (4, 0.1)
+
+
+def test_an_adapter_of_another_model_is_refused(tmp_path):
+    """Checked against the model's own adapter before anything starts: tensors missing, left
+    over (other targets), or of another shape; no adapter file, or a pickled one."""
+    path = fx.model_dir(tmp_path / "model", "llama")
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8)
+    model = build_model(cfg)
+    own = {}
+    for plan in plan_layout(model.manifest()).layers:
+        own.update({model.adapter_name(plan.name, n): v.contiguous()
+                    for n, v in model.loader().load(plan).items() if ".lora_" in n})
+    one = next(iter(own))
+
+    def refused(tensors, why, config=None):
+        init = _adapter(tmp_path, config or {}, tensors)
+        with pytest.raises(ValueError, match=why):
+            build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                                    lora_init=str(init))).manifest()
+
+    build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ,
+                            lora_init=str(_adapter(tmp_path, {}, own)))).manifest()
+    refused({k: v for k, v in own.items() if k != one}, "has no " + one.replace(".", r"\."))
+    refused({**own, one.replace("q_proj", "k_proj"): own[one].clone()}, "no place for")
+    refused({**own, one: own[one][:2].contiguous()}, "has shape")
+    refused(own, "has no .*k_proj", {"target_modules": ["q_proj", "v_proj", "k_proj"]})
+    (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
+    (tmp_path / "adapter" / "adapter_model.bin").write_bytes(b"pickle")
+    refused(None, "a pickle")
+
+
+def test_lora_init_through_the_launcher_and_an_export_without_it(tmp_path):
+    """l2l-launch --lora-init: the workers and the EPS take the adapter's options and values;
+    the checkpoint records the options, so l2l-export needs the adapter directory no more; PEFT
+    loads what --save wrote, and it moved from the start."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = fx.model_dir(tmp_path / "model", "llama", attention_dropout=0.0)
+    data = fx.lm_jsonl(tmp_path / "train.jsonl")
+    init = tmp_path / "init"
+    start = _peft_adapter(path, init, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    p = subprocess.run([*LAUNCH, "--workers", "1", "--model", f"hf:{path}", "--lora-init",
+                        str(init), "--data", str(data), "--seq-len", str(SEQ),
+                        "--micro-batch-size", "4", "--threads", "1", "--steps", "2", "--lr",
+                        "1e-2", "--save", str(tmp_path / "out"), "--server-save",
+                        str(tmp_path / "ck")],
+                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert set(saved) == set(start)
+    assert not any(torch.equal(saved[k], start[k]) for k in saved if "lora_B" in k)
+    # from the adapter's values: 2 AdamW steps at lr 1e-2 move an element by about 2e-2 at
+    # most (PEFT's A against l2l's seeded one: 0.2 apart)
+    assert max(float((saved[k] - start[k]).abs().max()) for k in saved) < 0.06
+    for f in init.iterdir():
+        f.unlink()
+    init.rmdir()
+    assert export_main([str(tmp_path / "ck"), str(tmp_path / "again")]) == 0
+    again = load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
+    assert all(torch.equal(again[k], saved[k]) for k in saved)
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
+                              str(tmp_path / "again"))

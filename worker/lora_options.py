@@ -1,0 +1,130 @@
+"""``--lora-init DIR``: a PEFT adapter directory's ``adapter_config.json`` as l2l's LoRA options.
+
+``PeftModel.from_pretrained(base, DIR, is_trainable=True)`` builds the adapter its config
+describes, and so does l2l: the config decides the rank, alpha, rank stabilisation, DoRA, the
+targeted modules and parameters and the modules trained whole; an option given beside it must
+agree with it (left at its default, it takes the config's value). Dropout, which shapes nothing,
+may be given anew. What l2l does not build (per-layer ranks or layers, biases, excluded modules,
+...) is refused by name. The adapter's tensors are read by the model (models/hf/adapter.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import fields
+
+ADAPTER_CONFIG = "adapter_config.json"
+# PEFT's options that build something l2l does not: refused unless at PEFT's default
+UNSUPPORTED = ("exclude_modules", "layers_to_transform", "rank_pattern", "alpha_pattern",
+               "megatron_config", "trainable_token_indices", "alora_invocation_tokens",
+               "use_qalora", "layer_replication", "lora_bias", "use_bdlora", "arrow_config",
+               "kasa_config", "velora_config", "monteclora_config")
+# the modules a sequence classifier's adapter trains whole by default (PEFT's SEQ_CLS, and
+# --lora-modules-to-save auto's): models/lora.py CLASSIFIER_HEADS
+HEADS = ("classifier", "score")
+# what --save writes for a multimodal model's language model (hf/multimodal.py lora_pattern)
+_LANGUAGE_PATTERN = re.compile(r"(?:model\\\.language_model|language_model\\\.model)\\\."
+                               r"\.\*\\\.\((\w+(?:\|\w+)*)\)")
+
+
+def read(path: str) -> dict:
+    """The adapter config of the PEFT adapter directory ``path``."""
+    file = os.path.join(path, ADAPTER_CONFIG)
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--lora-init {path}: no {ADAPTER_CONFIG} there (give a PEFT adapter "
+                         "directory, as save_pretrained or --save writes one)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--lora-init {path}: cannot read {ADAPTER_CONFIG}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--lora-init {path}: {ADAPTER_CONFIG} is not a JSON object")
+    return config
+
+
+def _names(value, key: str) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"its {key} is {value!r}: expected a list of names")
+    return sorted(set(value))
+
+
+def _targets(value) -> str:
+    """--lora-targets for PEFT's target_modules."""
+    if not value:
+        return "none"
+    if value == "all-linear":
+        return value
+    if isinstance(value, str):
+        m = _LANGUAGE_PATTERN.fullmatch(value)
+        if not m:
+            raise ValueError(f"its target_modules is the pattern {value!r}: l2l targets "
+                             "modules by their names (a list in the config)")
+        return ",".join(sorted(m.group(1).split("|")))
+    names = _names(value, "target_modules")
+    dotted = [n for n in names if "." in n]
+    if dotted:
+        raise ValueError(f"its target_modules names {dotted[0]!r}, a path: l2l targets modules "
+                         "by their last name (e.g. q_proj)")
+    return ",".join(names)
+
+
+def _saved(value) -> str:
+    """--lora-modules-to-save for PEFT's modules_to_save (None: PEFT's default, which is
+    l2l's auto: a sequence classifier's head, nothing for a causal LM)."""
+    if not value:
+        return "auto"
+    names = _names(value, "modules_to_save")
+    return "auto" if set(names) == set(HEADS) else ",".join(names)
+
+
+def _split(names: str) -> set[str]:
+    return {t.strip() for t in str(names).split(",") if t.strip()}
+
+
+def _same(name: str, given, value) -> bool:
+    if name in ("lora_targets", "lora_target_parameters", "lora_modules_to_save"):
+        return _split(given) == _split(value)
+    return given == value
+
+
+def resolve(cfg) -> None:
+    """Fill ``cfg``'s (a ModelConfig's) LoRA options from ``cfg.lora_init``'s config; raise
+    ValueError where they disagree or where the adapter is one l2l does not build."""
+    path = cfg.lora_init
+    config = read(path)
+    try:
+        if config.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"it is a {config['peft_type']} adapter (l2l trains LoRA)")
+        for key in UNSUPPORTED:
+            if config.get(key) not in (None, False, {}, [], ""):
+                raise ValueError(f"its {key} ({config[key]!r}) is not supported")
+        if config.get("bias", "none") != "none":
+            raise ValueError(f"its bias ({config['bias']!r}) is not supported (only 'none')")
+        want = {"lora_rank": int(config.get("r", 8)),
+                "lora_alpha": float(config.get("lora_alpha", 8)),
+                "lora_rslora": bool(config.get("use_rslora")),
+                "lora_dora": bool(config.get("use_dora")),
+                "lora_targets": _targets(config.get("target_modules")),
+                "lora_target_parameters": ",".join(_names(
+                    config.get("target_parameters") or [], "target_parameters")),
+                "lora_modules_to_save": _saved(config.get("modules_to_save"))}
+        dropout = float(config.get("lora_dropout") or 0.0)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"--lora-init {path}: {e}") from None
+    if want["lora_rank"] < 1:
+        raise ValueError(f"--lora-init {path}: its rank r is {want['lora_rank']}")
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name, value in want.items():
+        given = getattr(cfg, name)
+        if not (given == defaults[name] or _same(name, given, value)):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {given} disagrees with the adapter {path} ({value}): "
+                             "its adapter_config.json decides; leave the option out")
+        setattr(cfg, name, value)
+    if not cfg.lora_dropout:
+        cfg.lora_dropout = dropout
