@@ -113,7 +113,7 @@ class Job:
         thread (a script, a notebook): the launcher handles those signals there."""
         from launch.__main__ import output_problem, train
         from launch.roles import under_torchrun
-        from worker.config import input_problems
+        from worker.inputs import input_problems
 
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("l2l.run() must be called from the main thread: the launcher "

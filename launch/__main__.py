@@ -21,7 +21,7 @@ from eps_server.config import ServerArgs
 from protocol import cli
 from protocol.lifecycle import REFUSED, skip_exit_collections
 from protocol.trace import merge
-from worker.config import input_problems
+from worker.inputs import input_problems
 
 from .config import LaunchArgs, LaunchConfig
 from .console import Console, say, table

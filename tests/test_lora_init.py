@@ -4,6 +4,7 @@ build, or one of another model, is refused with what is wrong."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from protocol.lifecycle import REFUSED
 from protocol.tensors import plan_layout
 from worker.config import ModelConfig
 from worker.export import main as export_main
@@ -123,7 +125,8 @@ def _adapter(tmp_path, config: dict, tensors: dict | None = None):
 
 @pytest.mark.parametrize("config, given, why", [
     ({"rank_pattern": {"q_proj": 8}}, {}, "rank_pattern"),
-    ({"layers_to_transform": [0]}, {}, "layers_to_transform"),
+    ({"layers_to_transform": [0], "layers_pattern": "decoder"}, {}, "layers_pattern"),
+    ({"layers_to_transform": [0]}, {"lora_layers": "1"}, "--lora-layers 1 disagrees"),
     ({"bias": "lora_only"}, {}, "bias"),
     ({"peft_type": "IA3"}, {}, "IA3 adapter"),
     ({"target_modules": "model.*q_proj"}, {}, "pattern"),
@@ -165,6 +168,12 @@ def test_an_adapter_of_another_model_is_refused(tmp_path):
     refused({k: v for k, v in own.items() if k != one}, "has no " + one.replace(".", r"\."))
     refused({**own, one.replace("q_proj", "k_proj"): own[one].clone()}, "no place for")
     refused({**own, one: own[one][:2].contiguous()}, "has shape")
+    # l2l-launch finds it before any process starts
+    p = subprocess.run([*LAUNCH, "--workers", "1", "--model", f"hf:{path}", "--lora-init",
+                        str(tmp_path / "adapter"), "--seq-len", str(SEQ), "--steps", "1"],
+                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == REFUSED and "has shape" in p.stderr, p.stderr
+    assert not (tmp_path / "runs").exists()  # no job was made
     refused(own, "has no .*k_proj", {"target_modules": ["q_proj", "v_proj", "k_proj"]})
     (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
     (tmp_path / "adapter" / "adapter_model.bin").write_bytes(b"pickle")
@@ -203,3 +212,64 @@ def test_lora_init_through_the_launcher_and_an_export_without_it(tmp_path):
     assert all(torch.equal(again[k], saved[k]) for k in saved)
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
                               str(tmp_path / "again"))
+
+
+def test_lora_layers_adapts_the_blocks_it_names_as_peft_does(tmp_path):
+    """--lora-layers 0,2 (PEFT's layers_to_transform) on a 3-block Llama: the middle block
+    gets no adapter (its layer trains nothing), the adapter config says so, and 3 AdamW steps
+    through the executor equal PEFT's training from the same adapter; read back with
+    --lora-init, the config gives the blocks again."""
+    from peft import PeftModel
+
+    from .test_lora import _initial_adapter
+
+    path = fx.model_dir(tmp_path / "model", "llama", num_hidden_layers=3)
+    data = data_for("llama", tmp_path)
+    lora = {"lora_targets": "q_proj,v_proj", "lora_layers": "0,2"}
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, **lora)
+    layout = plan_layout(build_model(cfg).manifest())
+    assert [p.trainable > 0 for p in layout.layers] == [False, True, False, True, False]
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
+    init = tmp_path / "init"
+    _initial_adapter(path, init, **lora)
+    assert json.loads((init / "adapter_config.json").read_text())["layers_to_transform"] == [0, 2]
+    want = _peft_names(train_hf(
+        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+        wrap=lambda hf: PeftModel.from_pretrained(hf, str(init), is_trainable=True)))
+    adapters = {k for k in got if ".lora_" in k}
+    assert adapters == {k for k in want if ".lora_" in k}
+    assert len(adapters) == 8 and not any(".layers.1." in k for k in adapters)
+    assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
+    again = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init))
+    assert again.lora_layers == "0,2"
+    with pytest.raises(ValueError, match="the model has 3 blocks"):
+        build_model(dataclasses.replace(cfg, lora_layers="1-3"))
+    with pytest.raises(ValueError, match="block indices and ranges"):
+        ModelConfig(model=f"hf:{path}", lora_rank=4, lora_layers="2-1")
+
+
+def test_lora_layers_of_a_multimodal_language_model(tmp_path):
+    """A multimodal model's adapter names its language model by a pattern, which PEFT's
+    layers_to_transform does not apply to: the blocks go into the pattern. PEFT adapts those
+    alone, and --lora-init reads them back."""
+    import transformers
+    from peft import PeftModel
+
+    path = fx.model_dir(tmp_path / "model", "gemma3-vlm")
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_targets="o_proj",
+                      lora_layers="1")
+    model = build_model(cfg)
+    tensors = {(p.name, n): torch.randn_like(v) / 8 if "lora_B" in n else v
+               for p in plan_layout(model.manifest()).layers
+               for n, v in model.loader().load(p).items()}
+    assert {layer for layer, n in tensors if ".lora_" in n} == {"blocks.1"}
+    model.export(str(tmp_path / "adapter"), tensors, {})
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert r"layers\.(1)\." in config["target_modules"] and not config["layers_to_transform"]
+    arch = model.source_config.architectures[0]
+    adapted = PeftModel.from_pretrained(getattr(transformers, arch).from_pretrained(str(path)),
+                                        str(tmp_path / "adapter"))
+    adapters = {k for k in adapted.state_dict() if ".lora_A." in k}
+    assert adapters and all(".language_model.layers.1." in k for k in adapters)
+    again = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(tmp_path / "adapter"))
+    assert (again.lora_layers, again.lora_targets) == ("1", "o_proj")

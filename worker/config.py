@@ -6,7 +6,6 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -31,6 +30,18 @@ def size_bytes(text: str) -> int:
         raise ValueError(f"--save-max-shard-size {text!r}: give a size such as 5GB, 500MB or "
                          "2GiB")
     return int(float(m.group(1)) * unit)
+
+
+def lora_layers(spec: str) -> tuple[int, ...]:
+    """--lora-layers: the block indices it names ("0-3,20": 0, 1, 2, 3, 20), sorted."""
+    out = set()
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"--lora-layers {spec!r}: give block indices and ranges, e.g. "
+                             "0-3,20")
+        out.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    return tuple(sorted(out))
 
 
 @dataclass(kw_only=True)
@@ -95,6 +106,10 @@ class ModelConfig:
     included), or auto: PEFT's default where it has one (query,value for BERT and RoBERTa,
     c_attn for GPT-2, q_proj,v_proj for Llama, Mistral, Qwen and Gemma), else qkv_proj for
     Phi-3 and q_proj,v_proj; none: no linear layer (with --lora-target-parameters)."""
+    lora_layers: str = ""
+    """With LoRA: the blocks whose targeted linear layers get adapters (PEFT's
+    layers_to_transform), their indices from 0: e.g. 0-3,20 (ranges inclusive); empty: every
+    block. Not with --lora-target-parameters (PEFT's layers_to_transform leaves them be)."""
     lora_target_parameters: str = ""
     """With LoRA: a mixture of experts' stacked expert weights that get adapters too, as PEFT's
     target_parameters (parameter names, or their last parts: gate_up_proj,down_proj adapts
@@ -158,6 +173,12 @@ class ModelConfig:
         if self.lora_target_parameters.strip() and (self.lora_dropout or self.lora_dora):
             raise ValueError("--lora-target-parameters does not go with --lora-dropout or "
                              "--lora-dora (PEFT's target_parameters refuses them too)")
+        if self.lora_layers.strip() and (not self.lora_rank or
+                                         self.lora_target_parameters.strip()):
+            raise ValueError("--lora-layers picks the blocks --lora-targets adapts: give "
+                             "--lora-rank, and not --lora-target-parameters (PEFT's "
+                             "layers_to_transform does not apply to them)")
+        lora_layers(self.lora_layers)  # (its error, now)
         if (self.lora_rslora or self.lora_dora) and not self.lora_rank:
             raise ValueError("--lora-rslora and --lora-dora shape a LoRA adapter: give "
                              "--lora-rank")
@@ -363,30 +384,3 @@ def check_save(model: ModelConfig, save: str) -> None:
         raise ValueError(f"--save {save}: a Hugging Face model (--model hf:...) is saved as a "
                          "save_pretrained directory (config.json, model.safetensors, tokenizer "
                          f"files); give a directory, e.g. --save {save[:-len('.safetensors')]}")
-
-
-def hf_dir_problem(path: str) -> str:
-    """Why ``path`` is no local save_pretrained directory (nothing is downloaded), or ""."""
-    if not os.path.isdir(path):
-        return (f"--model hf:{path}: no such directory (a local save_pretrained directory: "
-                "config.json, weights, tokenizer files)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return f"--model hf:{path}: no config.json in it (a save_pretrained directory is expected)"
-    return ""
-
-
-def input_problems(model: ModelConfig, data: DataConfig) -> list[str]:
-    """What is missing of the files a job reads, found before any process starts (each worker
-    would find it seconds later, after its start-up)."""
-    out = [hf_dir_problem(model.model[3:])] if model.model.startswith("hf:") else []
-    for option, path in (("--data", data.data), ("--eval-data", data.eval_data)):
-        if path and not os.path.isfile(path):
-            out.append(f"{option} {path}: no such file")
-    if model.freeze and not any(out):  # patterns are checked against the model's names
-        from .models import build_model
-
-        try:
-            build_model(model).manifest()
-        except ValueError as e:
-            out.append(str(e))
-    return [p for p in out if p]

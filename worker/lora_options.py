@@ -4,7 +4,7 @@
 describes, and so does l2l: the config decides the rank, alpha, rank stabilisation, DoRA, the
 targeted modules and parameters and the modules trained whole; an option given beside it must
 agree with it (left at its default, it takes the config's value). Dropout, which shapes nothing,
-may be given anew. What l2l does not build (per-layer ranks or layers, biases, excluded modules,
+may be given anew. What l2l does not build (per-layer ranks or alphas, biases, excluded modules,
 ...) is refused by name. The adapter's tensors are read by the model (models/hf/adapter.py).
 """
 
@@ -15,9 +15,11 @@ import os
 import re
 from dataclasses import fields
 
+from .config import lora_layers
+
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's options that build something l2l does not: refused unless at PEFT's default
-UNSUPPORTED = ("exclude_modules", "layers_to_transform", "rank_pattern", "alpha_pattern",
+UNSUPPORTED = ("exclude_modules", "rank_pattern", "alpha_pattern",
                "megatron_config", "trainable_token_indices", "alora_invocation_tokens",
                "use_qalora", "layer_replication", "lora_bias", "use_bdlora", "arrow_config",
                "kasa_config", "velora_config", "monteclora_config")
@@ -26,7 +28,10 @@ UNSUPPORTED = ("exclude_modules", "layers_to_transform", "rank_pattern", "alpha_
 HEADS = ("classifier", "score")
 # what --save writes for a multimodal model's language model (hf/multimodal.py lora_pattern)
 _LANGUAGE_PATTERN = re.compile(r"(?:model\\\.language_model|language_model\\\.model)\\\."
+                               r"(?:layers\\\.\((\d+(?:\|\d+)*)\)\\\.)?"
                                r"\.\*\\\.\((\w+(?:\|\w+)*)\)")
+# where PEFT finds a block's index for layers_to_transform (its default: any of these)
+LAYERS_PATTERNS = ("layers", "h", "layer", "blocks", "block")
 
 
 def read(path: str) -> dict:
@@ -53,24 +58,42 @@ def _names(value, key: str) -> list[str]:
     return sorted(set(value))
 
 
-def _targets(value) -> str:
-    """--lora-targets for PEFT's target_modules."""
+def _layers(config: dict) -> str:
+    """--lora-layers for PEFT's layers_to_transform (with target_modules a list)."""
+    value = config.get("layers_to_transform")
+    if value is None or value == []:
+        return ""
+    pattern = config.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else pattern or []
+    if any(p not in LAYERS_PATTERNS for p in patterns):
+        raise ValueError(f"its layers_pattern ({pattern!r}) is not one of the blocks' names "
+                         f"({', '.join(LAYERS_PATTERNS)})")
+    value = [value] if isinstance(value, int) else value
+    if not isinstance(value, list) or not all(isinstance(i, int) and i >= 0 for i in value):
+        raise ValueError(f"its layers_to_transform is {value!r}: expected block indices")
+    return ",".join(map(str, sorted(set(value))))
+
+
+def _targets(config: dict) -> tuple[str, str]:
+    """--lora-targets and --lora-layers for PEFT's target_modules and layers_to_transform."""
+    value = config.get("target_modules")
     if not value:
-        return "none"
+        return "none", ""
     if value == "all-linear":
-        return value
-    if isinstance(value, str):
+        return value, _layers(config)
+    if isinstance(value, str):  # (PEFT's layers_to_transform does not apply to a pattern)
         m = _LANGUAGE_PATTERN.fullmatch(value)
         if not m:
             raise ValueError(f"its target_modules is the pattern {value!r}: l2l targets "
                              "modules by their names (a list in the config)")
-        return ",".join(sorted(m.group(1).split("|")))
+        layers = sorted(map(int, m.group(1).split("|"))) if m.group(1) else []
+        return ",".join(sorted(m.group(2).split("|"))), ",".join(map(str, layers))
     names = _names(value, "target_modules")
     dotted = [n for n in names if "." in n]
     if dotted:
         raise ValueError(f"its target_modules names {dotted[0]!r}, a path: l2l targets modules "
                          "by their last name (e.g. q_proj)")
-    return ",".join(names)
+    return ",".join(names), _layers(config)
 
 
 def _saved(value) -> str:
@@ -87,6 +110,8 @@ def _split(names: str) -> set[str]:
 
 
 def _same(name: str, given, value) -> bool:
+    if name == "lora_layers":
+        return lora_layers(given) == lora_layers(value)
     if name in ("lora_targets", "lora_target_parameters", "lora_modules_to_save"):
         return _split(given) == _split(value)
     return given == value
@@ -109,7 +134,7 @@ def resolve(cfg) -> None:
                 "lora_alpha": float(config.get("lora_alpha", 8)),
                 "lora_rslora": bool(config.get("use_rslora")),
                 "lora_dora": bool(config.get("use_dora")),
-                "lora_targets": _targets(config.get("target_modules")),
+                "lora_targets": _targets(config)[0], "lora_layers": _targets(config)[1],
                 "lora_target_parameters": ",".join(_names(
                     config.get("target_parameters") or [], "target_parameters")),
                 "lora_modules_to_save": _saved(config.get("modules_to_save"))}

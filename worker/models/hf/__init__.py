@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from ...config import hf_dir_problem
+from ...config import lora_layers
+from ...inputs import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
 from . import adapter, families, multimodal, quantized
@@ -32,6 +33,7 @@ from .checkpoint import HfCheckpoint, export, unrounded
 log = logging.getLogger("l2l_worker")
 
 PREFIX = "hf:"
+PLAIN = "-plain"  # the kind of a block --lora-layers leaves without adapters
 
 
 def load_config(path: str):
@@ -109,6 +111,10 @@ class HfModel(LayeredModel):
         self.dropout = max((v for k, v in c.to_dict().items() if isinstance(v, float) and (
             "drop" in k or k == "router_jitter_noise")), default=0.0)
         self._kinds = families.block_kinds(c)
+        beyond = [i for i in lora_layers(cfg.lora_layers) if i >= len(self._kinds)]
+        if beyond:
+            raise ValueError(f"--lora-layers {cfg.lora_layers}: the model has "
+                             f"{len(self._kinds)} blocks (0-{len(self._kinds) - 1})")
         self.lora_modules: set[str] = set()  # names of the linear layers LoRA adapts
         self.lora_fan_in_fan_out = False  # whether they are Conv1D (GPT-2's: weight in x out)
         self.lora_stacked: dict = {}  # adapted expert stacks: adapter -> (parameter, transposed)
@@ -145,9 +151,10 @@ class HfModel(LayeredModel):
         return super().pad_id(tokenizer)
 
     def make_stage(self, kind: str):
-        module = families.make_stage(self.config, self.family, kind)
+        plain = kind.endswith(PLAIN)  # (a block outside --lora-layers: no adapters)
+        module = families.make_stage(self.config, self.family, kind.removesuffix(PLAIN))
         cfg = self.cfg
-        if cfg.lora_rank and kind not in ("embed", "head"):  # LoRA on the blocks' linears
+        if cfg.lora_rank and kind not in ("embed", "head") and not plain:  # the blocks' linears
             found = lora.apply(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_targets,
                 cfg.lora_dropout, self.config.model_type, cfg.lora_dora)
@@ -212,7 +219,9 @@ class HfModel(LayeredModel):
         return super().exported(plan)
 
     def layer_kinds(self) -> list[tuple[str, str]]:
-        return ([("pre", "embed")] + [(f"blocks.{i}", k) for i, k in enumerate(self._kinds)]
+        adapted = lora_layers(self.cfg.lora_layers) if self.cfg.lora_rank else ()
+        return ([("pre", "embed")] + [(f"blocks.{i}", k + PLAIN if adapted and i not in adapted
+                                       else k) for i, k in enumerate(self._kinds)]
                 + [("post", "head")])
 
     def meta(self) -> dict:
@@ -266,9 +275,10 @@ class HfModel(LayeredModel):
         trains = self.lora_trains()
         named = {self.adapter_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}
-        targets = sorted(self.lora_modules)
-        if self.wrapper:  # a pattern, so that PEFT leaves the vision tower be
-            targets = self.wrapper.lora_pattern(targets)
+        targets, layers = sorted(self.lora_modules), list(lora_layers(cfg.lora_layers))
+        if self.wrapper:  # a pattern, so that PEFT leaves the vision tower be (the blocks in
+            targets = self.wrapper.lora_pattern(targets, layers)  # it: PEFT's layers do not
+            layers = []  # apply to a pattern)
         lora.adapter_files(path, named, {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if self.objective == "lm" else
             "SEQ_CLS", "base_model_name_or_path": os.path.abspath(self.path),
@@ -277,6 +287,7 @@ class HfModel(LayeredModel):
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
             "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": cfg.lora_dora,
             "modules_to_save": list(self.lora_saved) or None,
+            "layers_to_transform": layers or None,
             **({"target_parameters": sorted(lora.names(cfg.lora_target_parameters))}
                if self.lora_stacked else {})}, self.save_dtype())
 

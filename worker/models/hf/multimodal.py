@@ -56,10 +56,12 @@ class Wrapper:
         """The library's (and PEFT's) name for the language model's ``name``."""
         return Wrapper.checkpoint(name)[0 if self.config.model_type in HELD_AS_SAVED else 1]
 
-    def lora_pattern(self, modules: list[str]) -> str:
+    def lora_pattern(self, modules: list[str], layers: list[int] = ()) -> str:
         """PEFT's target_modules for ``modules`` of the language model alone (a pattern, so
-        that PEFT leaves the vision tower be)."""
+        that PEFT leaves the vision tower be), of its blocks ``layers`` (empty: all)."""
         held = self.in_memory("model.").replace(".", r"\.")
+        if layers:
+            held += rf"layers\.({'|'.join(map(str, layers))})\."
         return rf"{held}.*\.({'|'.join(modules)})"
 
     @staticmethod
