@@ -88,3 +88,44 @@ def test_a_checkpoint_with_frozen_tensors_resumes_exactly(tmp_path):
     assert export_main([str(tmp_path / "ck"), str(tmp_path / "export.st")]) == 0  # in-process
     exported = load_file(str(tmp_path / "export.st"))
     assert exported["pre.tok.weight"].equal(straight["pre.tok.weight"])  # never trained
+
+
+def test_the_backward_stops_at_the_lowest_layer_that_trains():
+    """A frozen bottom (the embedding and the first of 3 blocks, as LoRA's --lora-layers or a
+    frozen embedding leave it): those layers are fetched once a step, for the forward, and
+    pushed as skips; the backward stops at the first block that trains. 3 AdamW steps with
+    dropout equal the resident model trained with them frozen."""
+    from collections import Counter
+
+    from bench.local import LocalSource
+
+    from .baseline import train_local_l2l
+
+    class Spy(LocalSource):
+        made: list = []
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.fetched, self.skipped, self.pushed = Counter(), Counter(), Counter()
+            Spy.made.append(self)
+
+        def weights(self, layer, version):
+            self.fetched[layer] += 1
+            return super().weights(layer, version)
+
+        def skip(self, step, plan):
+            self.skipped[plan.index] += 1
+
+        def push(self, step, plan, slot, buf):
+            self.pushed[plan.index] += 1
+            super().push(step, plan, slot, buf)
+
+    mcfg = ModelConfig(model="gpt", layers=3, hidden=32, heads=2, seq_len=16, vocab=64,
+                       freeze="pre.*,blocks.0.*")
+    got = train_local_l2l(mcfg, steps=3, micro_batches=2, batch_size=4, lr=3e-3, source=Spy)
+    want = train_resident(mcfg, steps=3, global_micro_batches=2, batch_size=4, lr=3e-3)
+    assert_close(got, want, atol=1e-5, rtol=1e-4)
+    spy = Spy.made[-1]  # layers: pre 0, blocks 1-3, post 4
+    assert spy.skipped == {0: 3, 1: 3} and spy.pushed == {2: 3, 3: 3, 4: 3}
+    # (the last block keeps its graph, and its weights, from its forward to its backward)
+    assert [spy.fetched[i] for i in range(5)] == [3, 3, 6, 3, 3]

@@ -7,9 +7,10 @@ Per step t (L layers: pre, blocks, post):
                                 (the last block, L-2, and as many blocks before it as the
                                 activation budget holds, run with grad and keep their graphs)
     head      l = L-1:          forward + backward of the loss per micro-batch, push grad(L-1)
-    backward  for l in L-2..0:  w = weights(l, t); for each micro-batch: recompute stage from
+    backward  for l in L-2..lo: w = weights(l, t); for each micro-batch: recompute stage from
                                 the stash with grad (or use the kept graph), back-propagate,
-                                accumulate; push grad(l)
+                                accumulate; push grad(l)   (lo: the lowest layer that trains,
+                                0 but for a frozen bottom; the layers below it push skips)
 
 Every visit takes its weights, then asks its layer source for the *next* visit's
 (``prefetch``), so fetching overlaps compute and at most two layers are in flight; pushes are
@@ -34,6 +35,7 @@ from protocol.tensors import Layout, named_views
 from protocol.trace import NULL, Tracer
 
 from .data import Sharder
+from .evaluation import Evaluation
 from .faults import Fault
 from .heap import heap_trimmer
 from .keep import GraphBudget, Kept, SavedBytes, graph_bytes
@@ -62,7 +64,7 @@ class StepResult:
         return self.loss * self.norm / self.count if self.count and self.norm else self.loss
 
 
-class Executor:
+class Executor(Evaluation):
     def __init__(self, model: LayeredModel, layout: Layout, source, sharder: Sharder, *,
                  device: torch.device, micro_batches: range, steps: int, dropout: float,
                  seed: int, stash: str = "device", tracer: Tracer = NULL,
@@ -90,6 +92,11 @@ class Executor:
         self.heap = heap_trimmer(device.type, stash)
         self.budget = budget or GraphBudget(0, device)  # graphs kept under the budget
         self.trained = trained(self.plans)  # what gets a weight gradient (--freeze)
+        # The lowest layer with a weight gradient (its own, or a tie's): the backward stops
+        # there; the layers below it (a frozen embedding, LoRA's blocks left out) have nothing
+        # to learn, their inputs are not stashed and they are pushed as skips after the forward.
+        self.lowest = min((i for i, (_, _, names) in enumerate(self.trained) if names),
+                          default=len(self.plans) - 1)
         # Ties: owner layer -> its tensors read elsewhere; their values and readers' gradients.
         self.shared: dict[int, set[str]] = {}
         for plan in self.plans:
@@ -119,6 +126,9 @@ class Executor:
             self.source.skip(step, self.plans[layer])
         visits = [i for i in range(len(self.plans)) if i not in skipped]
         xs, graphs = self._forward(step, visits, batches)
+        for layer in visits:  # (their next version needs no more from this step)
+            if layer < self.lowest and layer not in pushed:
+                self.source.skip(step, self.plans[layer])
         loss, correct = self._backward(step, visits, xs, batches, graphs, pushed)
         with self._waiting("push"):
             self.source.drain()  # every push acknowledged (a refusal raises here)
@@ -135,7 +145,7 @@ class Executor:
         """The first loop: each layer but the head, once, over all u micro-batches. A layer's
         input is stashed for the recompute, or (the last blocks, keep.py) its whole graph is
         kept for its backward. Returns the last outputs (the head's inputs) and kept graphs."""
-        held, cloned = self.budget.kept(visits)
+        held, cloned = self.budget.kept(visits[:1] + [v for v in visits[1:] if v >= self.lowest])
         self.budget.most = max(self.budget.most, (held >= 0) + len(cloned))
         xs: list = [None] * len(batches)
         graphs: dict[int, Kept] = {}
@@ -154,7 +164,7 @@ class Executor:
                     stage = self.binders[self.plans[layer].kind].bind(weights)
                     with torch.no_grad():
                         for i, batch in enumerate(batches):
-                            if layer > 0:
+                            if layer > 0 and layer >= self.lowest:
                                 xs[i] = self.stash.put(layer, i, xs[i])
                             with self._rng(step, layer, i):
                                 xs[i] = stage(xs[i], batch)
@@ -168,7 +178,7 @@ class Executor:
         each visit prefetches the next one that needs weights (layer 0: the next step's),
         but the head does not while the last block's weights are still held. Returns the
         summed (loss, correct)."""
-        order = visits[::-1]
+        order = [v for v in visits[::-1] if v >= self.lowest]
         head_sums = None
         for j, layer in enumerate(order):
             fetching = next((v for v in order[j + 1:] if v not in graphs), None)
@@ -323,44 +333,6 @@ class Executor:
 
     def skipped(self, step: int) -> set[int]:
         return layer_drop(self.seed, step, len(self.plans), self.layer_drop)
-
-    def evaluate(self, version: int, batches, prefetch_after: bool) -> tuple[float, int, int]:
-        """Forward only (dropout off, no stash, no gradients) with the weights of ``version``:
-        layer-major passes over ``batches``, u micro-batches at a time (so device memory is that
-        of a training step); returns (summed loss, correct, loss terms)."""
-        loss, correct, count = 0.0, 0, 0
-        u = len(self.micro_batches)
-        for binder in self.binders.values():
-            binder.module.eval()
-        try:
-            for lo in range(0, len(batches), u):
-                chunk = [b.to(self.device) for b in batches[lo:lo + u]]
-                last = lo + u >= len(batches)
-                for out, c in self._forward_only(version, chunk, prefetch_after or not last):
-                    loss, correct = loss + float(out), correct + int(c)
-                count += sum(int((b.targets != -100).sum()) for b in chunk)
-        finally:
-            for binder in self.binders.values():
-                binder.module.train()
-        return loss, correct, count
-
-    def _forward_only(self, version: int, batches: list, prefetch_after: bool) -> list:
-        xs: list = [None] * len(batches)
-        n = len(self.plans)
-        try:
-            for layer in range(n):
-                with self.tracer.span(f"E{layer}", "eval"):
-                    weights = self._weights(layer, version, requires_grad=False)
-                    if layer + 1 < n or prefetch_after:
-                        self.source.prefetch((layer + 1) % n, version)
-                    stage = self.binders[self.plans[layer].kind].bind(weights)
-                    with torch.no_grad():
-                        for i, batch in enumerate(batches):
-                            xs[i] = stage(xs[i], batch)
-                self.source.release(layer, version)
-        finally:
-            self.tied.clear()
-        return xs
 
     def _tie_grads(self, ties) -> list[torch.Tensor]:
         """fp32 accumulators of tied tensors' gradients (per owner's tensor; every reader)."""

@@ -55,7 +55,8 @@ class GradPath:
         self._pushes.append(self._push(step, plan, slot, buf))
 
     def skip(self, step: int, plan: LayerPlan) -> None:
-        """Tell the EPS this worker skipped the layer this step (LayerDrop)."""
+        """Tell the EPS this worker has no gradient of the layer this step (LayerDrop; a
+        layer that trains nothing)."""
         self._pushes.append(self.client.push_grad(step=step, layer=plan.index, rank=self.rank,
                                                   slot=-1, dtype=self.dtype, skip=True))
 
