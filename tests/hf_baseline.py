@@ -26,7 +26,7 @@ def _stage_modules(hf, model_type: str) -> list:
         t = hf.transformer
         return [t.wte, *t.h, t.ln_f]
     m = hf.model
-    return [m.embed_tokens, *m.layers, m.norm]
+    return [m.embed_tokens, *m.layers, getattr(m, "norm", None) or m.final_layernorm]
 
 
 def train_hf(path: str, data: DataConfig, *, steps: int, micro_batches: int, batch_size: int,

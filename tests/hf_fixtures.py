@@ -225,6 +225,13 @@ DECODERS = {
         eos_token_id=3)),
     "jais2": ("Jais2Config", "Jais2ForCausalLM", dict(head_dim=8, pad_token_id=0,
                                                      eos_token_id=3)),
+    # parallel attention and MLP from one norm, partial rotary, dropout after the embedding
+    # and on the residuals, a final norm under its own name, an LM head with a bias (no q/k
+    # norms, as Phi-2: their bias on the keys' unrotated half gets a gradient of float noise
+    # alone, which AdamW makes 1e-5 steps of, either way)
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(
+        partial_rotary_factor=0.5, embd_pdrop=0.1, resid_pdrop=0.1, pad_token_id=0,
+        eos_token_id=3)),
     # Qwen3-Next: a linear-attention layer (gated delta rule, a causal conv, masked by padding
     # alone) and a full-attention one (gated, partial rotary), experts and a gated shared one
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(

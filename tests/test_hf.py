@@ -45,7 +45,7 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
     ("xlm-roberta", False, 0),
     ("gpt2", False, 0), *((f, False, 0) for f in fx.DECODERS), ("qwen3-cls", False, 0),
     ("qwen3_next-cls", False, 0),
-    ("mixtral-cls", False, 0), ("nemotron-cls", False, 0),
+    ("mixtral-cls", False, 0), ("nemotron-cls", False, 0), ("phi-cls", False, 0),
     ("llama", False, 3)])
 def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     """BERT classifier on sentence pairs (token types), and from a masked LM (a new pooler and

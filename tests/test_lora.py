@@ -328,8 +328,8 @@ def test_lora_of_the_stacked_experts_trains_and_merges_as_peft(tmp_path, family,
 
 @pytest.mark.parametrize("family, lora", [
     ("llama", {"lora_rslora": True}), ("gpt2", {}), ("llama", {"lora_dora": True}),
-    ("gpt2", {"lora_dora": True, "lora_rslora": True})],
-    ids=["llama-rslora", "gpt2", "llama-dora", "gpt2-dora-rslora"])
+    ("gpt2", {"lora_dora": True, "lora_rslora": True}), ("phi", {})],
+    ids=["llama-rslora", "gpt2", "llama-dora", "gpt2-dora-rslora", "phi"])
 def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family, lora):
     """--merge folds the adapter in (W + alpha/r B A, rank-stabilised: alpha/sqrt(r); DoRA:
     scaled by m / ||W + alpha/r B A|| by row; a Conv1D weight, in x out, takes the transpose):
@@ -456,3 +456,17 @@ def test_a_dora_layer_starts_as_its_base_layer_in_the_dtype_it_is_served_in(serv
     with torch.no_grad():
         assert torch.equal(block.q_proj(x), nn.functional.linear(
             x, base["q_proj.weight"].to(served), base["q_proj.bias"].to(served)))
+
+
+def test_auto_targets_are_pefts_defaults():
+    """--lora-targets auto: PEFT's default targets (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
+    MAPPING) for every supported model type PEFT has them for."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft
+
+    from worker.models import lora
+    from worker.models.hf import families
+
+    known = [t for t in families.FAMILIES if t in peft]
+    assert "phi" in known and "llama" in known
+    for t in known:
+        assert set(lora.targets("auto", t)) == set(peft[t]), t

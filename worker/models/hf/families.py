@@ -72,8 +72,11 @@ class Arch:
     norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer"
     #                    (torch's), "olmo" (no parameters), "layer1p" (Nemotron's)
     logit_scale: bool = False  # Cohere: logits times logit_scale
-    embedding_dropout: bool = False  # StarCoder2: dropout after the embedding
-    head_bias: bool = False  # ERNIE 4.5: the LM head has a bias when config.use_bias says
+    embedding_dropout: str = ""  # the config's dropout after the embedding (StarCoder2's
+    #                              embedding_dropout, Phi's embd_pdrop)
+    head_bias: str = ""  # the LM head has a bias: "use_bias" when the config's says (ERNIE
+    #                      4.5), "always" (Phi)
+    final_norm_name: str = "norm"  # the final norm's name (Phi: final_layernorm)
     text_classes: bool = False  # Llama 4: its layers' classes are "<prefix>Text<name>"
     aux_loss: bool = True  # a MoE whose causal LM adds the load-balancing loss it is asked for
     causal_skip: bool = True  # False: the causal mask is always made (DeepSeek-V3.2's indexer
@@ -143,14 +146,15 @@ ARCH = {
     "arcee": Arch("Arcee", "arcee"),
     "cohere": Arch("Cohere", "cohere", norm="cohere", logit_scale=True),
     "glm4": Arch("Glm4", "glm4"),
-    "ernie4_5_moe": Arch("Ernie4_5_Moe", "ernie4_5_moe", experts=ERNIE, head_bias=True),
+    "ernie4_5_moe": Arch("Ernie4_5_Moe", "ernie4_5_moe", experts=ERNIE,
+                         head_bias="use_bias"),
     "granitemoe": Arch("GraniteMoe", "granitemoe", multipliers=True, experts=GRANITE),
     # (Mistral 4's checkpoints keep the library's stacks: no conversion in transformers)
     "mistral4": Arch("Mistral4", "mistral4", experts=STACKED),
     "cohere2": Arch("Cohere2", "cohere2", sliding="layer_types", norm="cohere",
                     logit_scale=True),
     "starcoder2": Arch("Starcoder2", "starcoder2", sliding="all", norm="layer",
-                       embedding_dropout=True),
+                       embedding_dropout="embedding_dropout"),
     "qwen3_next": Arch("Qwen3Next", "qwen3_next", sliding="layer_types", experts=QWEN),
     # Qwen3.5's language models (text: their positions are one, whatever the rotary sections)
     "qwen3_5_text": Arch("Qwen3_5", "qwen3_5", sliding="layer_types", rotary="TextRotaryEmbedding",
@@ -169,6 +173,8 @@ ARCH = {
                         softcap=True, rotary_by_type=True, experts=STACKED, text_classes=True,
                         aux_loss=False),
     "ernie4_5": Arch("Ernie4_5", "ernie4_5"),
+    "phi": Arch("Phi", "phi", norm="layer", embedding_dropout="embd_pdrop", head_bias="always",
+                final_norm_name="final_layernorm"),
     "glm": Arch("Glm", "glm"),
     # mixtures of experts whose causal LMs add no balancing loss: Hunyuan-A13B, Solar Open,
     # K-EXAONE, Hunyuan 3 (its router, routing bias and shared expert under names of their
@@ -243,18 +249,19 @@ DECODER = Family(("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm
                   "hunyuan_v1_moe", "solar_open", "exaone_moe", "hy_v3", "afmoe",
                   "deepseek_v32", "glm4_moe_lite", "cohere2_moe", "granite_swa", "olmo",
                   "nemotron", "stablelm", "jais2", "minimax", "flex_olmo", "mimo_v2_flash",
-                  "phimoe", "vaultgemma", "granitemoehybrid", "kimi_linear"),
+                  "phimoe", "vaultgemma", "granitemoehybrid", "kimi_linear", "phi"),
                  "ForCausalLM", "lm", "model.", {
     "pre": [("embed_tokens.", "model.embed_tokens.")],
     "block": [("layer.", "model.layers.{i}.")],
-    "post": [("norm.", "model.norm."), ("lm_head.", "lm_head.")]}, ("lm_head.",),
-                 ("lm_head.",))
+    "post": [("norm.", "model.norm."), ("final_layernorm.", "model.final_layernorm."),
+             ("lm_head.", "lm_head.")]}, ("lm_head.",), ("lm_head.",))
 
 # A decoder as a sequence classifier (the library's GenericForSequenceClassification): the
 # final norm, then a "score" projection of the last real token
 DECODER_CLASSIFIER = Family(DECODER.model_types, "ForSequenceClassification", "classify",
                             "model.", {**DECODER.prefixes,
-                                       "post": [("norm.", "model.norm."), ("score.", "score.")]},
+                                       "post": [*DECODER.prefixes["post"][:2],
+                                                ("score.", "score.")]},
                             ("score.",), ("score.",))
 
 FAMILIES = {t: f for f in (BERT, ROBERTA, GPT2, DECODER) for t in f.model_types}

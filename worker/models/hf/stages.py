@@ -179,7 +179,8 @@ class DecoderEmbed(nn.Module):
         self.multiplier = (config.embedding_multiplier if arch.multipliers
                            else config.hidden_size ** 0.5 if getattr(config, "mup_enabled", False)
                            else 1.0)  # (Granite; AFMoE's muP)
-        self.dropout = nn.Dropout(config.embedding_dropout) if arch.embedding_dropout else None
+        self.dropout = (nn.Dropout(getattr(config, arch.embedding_dropout))
+                        if arch.embedding_dropout else None)
         self.balance = balance
 
     def forward(self, x, batch):
@@ -258,7 +259,8 @@ class DecoderClassifier(nn.Module):
 
     def __init__(self, config, arch):
         super().__init__()
-        self.norm = final_norm(config, arch)
+        self.norm_name = arch.final_norm_name
+        setattr(self, self.norm_name, final_norm(config, arch))
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.pad = config.pad_token_id
 
@@ -268,7 +270,8 @@ class DecoderClassifier(nn.Module):
             batch.mask.bool() if batch.mask is not None else torch.ones_like(ids, dtype=bool))
         positions = torch.arange(ids.shape[1], device=ids.device, dtype=torch.int32)
         last = (positions * real.to(torch.int32)).argmax(-1)
-        pooled = self.norm(x[torch.arange(ids.shape[0], device=ids.device), last])
+        pooled = getattr(self, self.norm_name)(x[torch.arange(ids.shape[0], device=ids.device),
+                                                 last])
         return sum_cross_entropy(self.score(pooled), batch.targets, batch.norm)
 
 
@@ -290,8 +293,10 @@ def final_norm(config, arch) -> nn.Module:
 
 
 def decoder_head(config, arch, balance=None) -> LmHead:
-    return LmHead(final_norm(config, arch), "norm", config.hidden_size, config.vocab_size,
+    return LmHead(final_norm(config, arch), arch.final_norm_name, config.hidden_size,
+                  config.vocab_size,
                   config.logits_scaling if arch.multipliers else 1.0,
                   config.final_logit_softcapping if arch.softcap else None, balance,
                   config.logit_scale if arch.logit_scale else 1.0,
-                  arch.head_bias and config.use_bias)
+                  arch.head_bias == "always" or (arch.head_bias == "use_bias"
+                                                 and config.use_bias))
