@@ -25,6 +25,9 @@ def _stage_modules(hf, model_type: str) -> list:
     if model_type == "gpt2":
         t = hf.transformer
         return [t.wte, *t.h, t.ln_f]
+    if model_type == "gpt_neox":
+        m = hf.gpt_neox
+        return [m.embed_in, *m.layers, m.final_layer_norm]
     m = hf.model
     return [m.embed_tokens, *m.layers, getattr(m, "norm", None) or m.final_layernorm]
 

@@ -229,6 +229,11 @@ DECODERS = {
     # and on the residuals, a final norm under its own name, an LM head with a bias (no q/k
     # norms, as Phi-2: their bias on the keys' unrotated half gets a gradient of float noise
     # alone, which AdamW makes 1e-5 steps of, either way)
+    # GPT-NeoX (Pythia): parallel residual, partial rotary, fused q/k/v, dropout after the
+    # embedding and on the residuals, an embedding without a padding index, a head saved as
+    # embed_out
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        hidden_dropout=0.1, rotary_pct=0.25, pad_token_id=0, eos_token_id=3)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(
         partial_rotary_factor=0.5, embd_pdrop=0.1, resid_pdrop=0.1, pad_token_id=0,
         eos_token_id=3)),

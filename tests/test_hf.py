@@ -46,6 +46,7 @@ def data_for(family: str, tmp_path, pairs: bool = False, classes: int = 0) -> Da
     ("gpt2", False, 0), *((f, False, 0) for f in fx.DECODERS), ("qwen3-cls", False, 0),
     ("qwen3_next-cls", False, 0),
     ("mixtral-cls", False, 0), ("nemotron-cls", False, 0), ("phi-cls", False, 0),
+    ("gpt_neox-cls", False, 0),
     ("llama", False, 3)])
 def test_l2l_trains_the_library_model_exactly(tmp_path, family, pairs, classes):
     """BERT classifier on sentence pairs (token types), and from a masked LM (a new pooler and
@@ -262,6 +263,26 @@ def test_a_bf16_export_keeps_what_the_library_keeps_in_fp32(tmp_path):
                                                               dtype="auto").state_dict()
     key = model.family.hf_name(*bias[0])
     assert torch.equal(again[key], source[bias[0]].bfloat16().float())
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gpt_neox-cls", "phi"])
+def test_an_export_writes_the_names_save_pretrained_writes(tmp_path, family):
+    """GPT-NeoX's LM head, lm_head in the library, is saved as embed_out; Phi's final norm is
+    final_layernorm: an export writes the source's names, which from_pretrained reads back."""
+    from protocol.safetensors_io import SafetensorsFile
+    from protocol.tensors import plan_layout
+
+    path = fx.model_dir(tmp_path / "model", family)
+    model = build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ))
+    tensors = {(p.name, n): t for p in plan_layout(model.manifest()).layers
+               for n, t in model.loader().load(p).items()}
+    model.export(str(tmp_path / "out"), tensors, {})
+    names = set(SafetensorsFile(str(tmp_path / "out" / "model.safetensors")).keys())
+    assert names == set(SafetensorsFile(str(path / "model.safetensors")).keys())
+    assert ("embed_out.weight" in names) is (family == "gpt_neox")
+    cls = getattr(transformers, model.export_config().architectures[0])
+    want, got = (cls.from_pretrained(str(p)).state_dict() for p in (path, tmp_path / "out"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("family, sub", [

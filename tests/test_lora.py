@@ -328,8 +328,8 @@ def test_lora_of_the_stacked_experts_trains_and_merges_as_peft(tmp_path, family,
 
 @pytest.mark.parametrize("family, lora", [
     ("llama", {"lora_rslora": True}), ("gpt2", {}), ("llama", {"lora_dora": True}),
-    ("gpt2", {"lora_dora": True, "lora_rslora": True}), ("phi", {})],
-    ids=["llama-rslora", "gpt2", "llama-dora", "gpt2-dora-rslora", "phi"])
+    ("gpt2", {"lora_dora": True, "lora_rslora": True}), ("phi", {}), ("gpt_neox", {})],
+    ids=["llama-rslora", "gpt2", "llama-dora", "gpt2-dora-rslora", "phi", "gpt_neox"])
 def test_a_merged_model_computes_what_peft_computes_with_the_adapter(tmp_path, family, lora):
     """--merge folds the adapter in (W + alpha/r B A, rank-stabilised: alpha/sqrt(r); DoRA:
     scaled by m / ||W + alpha/r B A|| by row; a Conv1D weight, in x out, takes the transpose):
@@ -467,6 +467,6 @@ def test_auto_targets_are_pefts_defaults():
     from worker.models.hf import families
 
     known = [t for t in families.FAMILIES if t in peft]
-    assert "phi" in known and "llama" in known
+    assert {"phi", "llama", "gpt_neox"} <= set(known)
     for t in known:
         assert set(lora.targets("auto", t)) == set(peft[t]), t

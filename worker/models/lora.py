@@ -43,10 +43,11 @@ MAGNITUDE = ".lora_magnitude_vector"  # DoRA's (PEFT's name, as it saves it)
 ADAPTER = (".lora_A.weight", ".lora_B.weight", MAGNITUDE)
 # "auto" targets: PEFT's defaults (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for
 # these model types, q_proj,v_proj for the others (PEFT's own for Llama, Mistral, Qwen, Gemma;
-# its choice for OLMo 2, SmolLM3, Granite, where PEFT has none), Phi-3's fused projection, and
-# Phi's (its attention's and MLP's).
+# its choice for OLMo 2, SmolLM3, Granite, where PEFT has none), Phi-3's and GPT-NeoX's fused
+# projections, and Phi's (its attention's and MLP's).
 AUTO_TARGETS = {"bert": "query,value", "roberta": "query,value", "xlm-roberta": "query,value",
-                "gpt2": "c_attn", "phi3": "qkv_proj", "phi": "q_proj,v_proj,fc1,fc2"}
+                "gpt2": "c_attn", "phi3": "qkv_proj", "phi": "q_proj,v_proj,fc1,fc2",
+                "gpt_neox": "query_key_value"}
 # "auto" modules trained whole: PEFT's for a sequence classifier (SEQ_CLS), none for an LM
 CLASSIFIER_HEADS = ("classifier", "score")
 

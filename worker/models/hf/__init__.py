@@ -90,7 +90,7 @@ class HfModel(LayeredModel):
                                  f"the new classifier head ({self.path} is not a sequence "
                                  "classifier) frozen at its random start")
             self._labels(cfg.classes)
-        if self.family is families.DECODER_CLASSIFIER and c.pad_token_id is None:
+        if self.family in families.DECODER_CLASSIFIERS and c.pad_token_id is None:
             # pooled at the last token that is not padding: the config names the padding, the
             # data pads with it (data.text_task), and export writes it, so the library's
             # model pools alike; without one the tokenizer's, else its end-of-text (the usual
@@ -146,7 +146,7 @@ class HfModel(LayeredModel):
 
     def pad_id(self, tokenizer) -> int:
         """A decoder classifier's config's padding (what it pools by), else the default."""
-        if self.family is families.DECODER_CLASSIFIER and self.config.pad_token_id is not None:
+        if self.family in families.DECODER_CLASSIFIERS and self.config.pad_token_id is not None:
             return self.config.pad_token_id
         return super().pad_id(tokenizer)
 

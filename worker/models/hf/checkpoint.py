@@ -65,6 +65,7 @@ class HfCheckpoint:
         self._open: dict[str, object] = {}
         self._buffers: tuple[int, dict] = (-1, {})  # (block, its buffers): _buffer_default
         self.experts = families.ARCH[model.config.model_type].experts
+        self.saved_as = families.ARCH[model.config.model_type].saved_as
         quant = quantized.method(model.source_config)
         self.fp8_block = quantized.fp8_block(model.source_config) if quant == "fp8" else None
         self.mxfp4 = quant == "mxfp4"
@@ -74,6 +75,7 @@ class HfCheckpoint:
         names = [name, name[len(base):]] if name.startswith(base) else [name]
         if wrapper:  # (a multimodal checkpoint's language model: multimodal.py)
             names = wrapper.checkpoint(name)
+        names += [saved(n, self.saved_as) for n in names if saved(n, self.saved_as) != n]
         # Old BERT checkpoints name LayerNorm parameters gamma/beta (the library renames them).
         legacy = {".weight": ".gamma", ".bias": ".beta"}
         names += [n[:-len(e)] + g for n in list(names) for e, g in legacy.items()
@@ -142,9 +144,17 @@ class HfCheckpoint:
         if self._buffers[0] != plan.index:
             arch = families.ARCH[self.model.config.model_type]
             with params_on_meta():
-                layer = arch.cls("DecoderLayer")(self.model.config, int(plan.name[7:]))
+                layer = arch.cls(arch.layer_class)(self.model.config, int(plan.name[7:]))
             self._buffers = (plan.index, dict(layer.named_buffers()))
         return self._buffers[1].get(tensor[len("layer."):])
+
+
+def saved(name: str, saved_as: tuple[tuple[str, str], ...]) -> str:
+    """The name save_pretrained writes for the library's ``name`` (Arch.saved_as)."""
+    for ours, theirs in saved_as:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    return name
 
 
 def _fresh(shape: tuple, std: float, gen: torch.Generator) -> torch.Tensor:
@@ -238,8 +248,10 @@ def export(model, path: str, tensors: dict[tuple[str, str], torch.Tensor]) -> No
                          "into it")
     os.makedirs(path, exist_ok=True)
     config = model.export_config()
-    named = [(model.family.hf_name(layer, name), t) for (layer, name), t in tensors.items()]
-    experts = families.ARCH[model.config.model_type].experts
+    arch = families.ARCH[model.config.model_type]
+    named = [(saved(model.family.hf_name(layer, name), arch.saved_as), t)
+             for (layer, name), t in tensors.items()]
+    experts = arch.experts
     if experts:
         named = [pair for name, t in named for pair in experts.write(name, t)]
     if model.wrapper:  # the language model under its saved names, the rest as the source has

@@ -12,10 +12,10 @@ where the library keeps its modules and what its model-level ``forward`` adds ar
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 from . import stages
+from .arch import Arch
 from .balance import balance_of
 from .experts import (
     ERNIE,
@@ -28,12 +28,11 @@ from .experts import (
     PHIMOE,
     QWEN,
     STACKED,
-    ExpertNames,
     sparse_layers,
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared and hashed as itself)
 class Family:
     model_types: tuple[str, ...]
     hf_class: str  # the class of the whole model after the type's prefix (export writes it)
@@ -44,68 +43,12 @@ class Family:
     head: tuple[str, ...]  # the class's own head: read only from a checkpoint of this class
 
     def hf_name(self, layer: str, tensor: str) -> str:
+        """The library's name of ``layer``'s ``tensor`` (as its model holds it)."""
         group, i = ("block", layer.split(".")[1]) if layer.startswith("blocks.") else (layer, "")
         for ours, theirs in self.prefixes[group]:
             if tensor.startswith(ours):
                 return theirs.format(i=i) + tensor[len(ours):]
         raise KeyError(f"no checkpoint name for {layer}.{tensor}")
-
-
-@dataclass(frozen=True)
-class Arch:
-    """One model type: the library's module and class-name prefix, and what its model-level
-    ``forward`` does around the layers."""
-
-    prefix: str  # class names: f"{prefix}DecoderLayer", f"{prefix}Embeddings", ...
-    module: str  # transformers.models.<module>.modeling_<module>
-    sliding: str = "never"  # which layers slide: "never", "all" (when sliding_window is set),
-    #                         or "layer_types" (the config lists each layer's kind)
-    scaled_embedding: bool = False  # Gemma: the embedding module multiplies by sqrt(hidden)
-    multipliers: bool = False  # Granite: embedding_multiplier in, logits / logits_scaling out
-    nope_layers: bool = False  # SmolLM3: the layers no_rope_layers marks 0 use no rotary
-    softcap: bool = False  # Gemma 2: logits = tanh(logits / cap) * cap (final_logit_softcapping)
-    experts: ExpertNames | None = None  # a mixture of experts: its checkpoint names (experts.py)
-    rotary_by_type: bool = False  # OLMo 3, Gemma 3: a rotary per layer type (local, global)
-    classifier: str = "ForSequenceClassification"  # its sequence classifier's class name
-    rotary: str = "RotaryEmbedding"  # its rotary module's class name (Qwen3.5: the text one's;
-    #                                  "": none, Kimi Linear's layers have no rotary)
-    norm: str = "rms"  # its final norm: RMSNorm, "cohere" (LayerNorm, no bias), "layer"
-    #                    (torch's), "olmo" (no parameters), "layer1p" (Nemotron's)
-    logit_scale: bool = False  # Cohere: logits times logit_scale
-    embedding_dropout: str = ""  # the config's dropout after the embedding (StarCoder2's
-    #                              embedding_dropout, Phi's embd_pdrop)
-    head_bias: str = ""  # the LM head has a bias: "use_bias" when the config's says (ERNIE
-    #                      4.5), "always" (Phi)
-    final_norm_name: str = "norm"  # the final norm's name (Phi: final_layernorm)
-    text_classes: bool = False  # Llama 4: its layers' classes are "<prefix>Text<name>"
-    aux_loss: bool = True  # a MoE whose causal LM adds the load-balancing loss it is asked for
-    causal_skip: bool = True  # False: the causal mask is always made (DeepSeek-V3.2's indexer
-    #                           reads it), never left to SDPA's is_causal
-    full_slides: bool = False  # MiniMax: its full-attention layers slide when sliding_window
-    #                            is set
-    rope_optional: bool = False  # Granite 4.0-H: rotary only where position_embedding_type
-    #                              says "rope"
-    untrained: tuple[str, ...] = ()  # a block's modules the library runs without gradients
-    #                                  (DeepSeek-V3.2's indexer): frozen, as AdamW leaves them
-
-    def cls(self, name: str):
-        """The library's class ``name`` of this model type (e.g. "DecoderLayer"); None if it
-        has none."""
-        module = importlib.import_module(f"transformers.models.{self.module}.modeling_"
-                                         f"{self.module}")
-        text = getattr(module, f"{self.prefix}Text{name}", None) if self.text_classes else None
-        return text or getattr(module, f"{self.prefix}{name}", None)
-
-    def attention(self) -> str:
-        """The attention from_pretrained picks by default: SDPA where the model supports it
-        (Gemma 2's soft-capped attention does not: eager)."""
-        return "sdpa" if self.cls("PreTrainedModel")._supports_sdpa else "eager"
-
-    def experts_implementation(self) -> str:
-        """The experts' computation from_pretrained picks by default: grouped matmuls where the
-        model can set it."""
-        return ("grouped_mm" if self.cls("PreTrainedModel")._can_set_experts_implementation()
-                else "eager")
 
 
 ARCH = {
@@ -175,6 +118,9 @@ ARCH = {
     "ernie4_5": Arch("Ernie4_5", "ernie4_5"),
     "phi": Arch("Phi", "phi", norm="layer", embedding_dropout="embd_pdrop", head_bias="always",
                 final_norm_name="final_layernorm"),
+    "gpt_neox": Arch("GPTNeoX", "gpt_neox", norm="layer", embedding_dropout="hidden_dropout",
+                     final_norm_name="final_layer_norm", layer_class="Layer",
+                     embed_padding=False, saved_as=(("lm_head.", "embed_out."),)),
     "glm": Arch("Glm", "glm"),
     # mixtures of experts whose causal LMs add no balancing loss: Hunyuan-A13B, Solar Open,
     # K-EXAONE, Hunyuan 3 (its router, routing bias and shared expert under names of their
@@ -264,7 +210,20 @@ DECODER_CLASSIFIER = Family(DECODER.model_types, "ForSequenceClassification", "c
                                                 ("score.", "score.")]},
                             ("score.",), ("score.",))
 
-FAMILIES = {t: f for f in (BERT, ROBERTA, GPT2, DECODER) for t in f.model_types}
+# GPT-NeoX (Pythia): the decoders' stages under its own names
+NEOX = Family(("gpt_neox",), "ForCausalLM", "lm", "gpt_neox.", {
+    "pre": [("embed_tokens.", "gpt_neox.embed_in.")],
+    "block": [("layer.", "gpt_neox.layers.{i}.")],
+    "post": [("final_layer_norm.", "gpt_neox.final_layer_norm."), ("lm_head.", "lm_head.")]},
+    ("lm_head.",), ("lm_head.",))
+NEOX_CLASSIFIER = Family(NEOX.model_types, "ForSequenceClassification", "classify",
+                         "gpt_neox.", {**NEOX.prefixes, "post": [NEOX.prefixes["post"][0],
+                                                                 ("score.", "score.")]},
+                         ("score.",), ("score.",))
+CLASSIFIER_OF = {DECODER: DECODER_CLASSIFIER, NEOX: NEOX_CLASSIFIER}  # (of a decoder LM)
+DECODER_CLASSIFIERS = tuple(CLASSIFIER_OF.values())
+
+FAMILIES = {t: f for f in (BERT, ROBERTA, GPT2, DECODER, NEOX) for t in f.model_types}
 
 
 def classifies(config) -> bool:
@@ -278,12 +237,12 @@ def family_of(config, classes: int = 0) -> Family:
     if family is None:
         raise ValueError(f"model type {config.model_type!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")
-    if family is DECODER and (classes or classifies(config)):
+    if family in CLASSIFIER_OF and (classes or classifies(config)):
         arch = ARCH[config.model_type]
         if arch.cls(arch.classifier) is None:
             raise ValueError(f"transformers has no sequence classifier for "
                              f"{config.model_type}: a model trained so could not be loaded")
-        family = DECODER_CLASSIFIER
+        family = CLASSIFIER_OF[family]
     if classes and family.objective != "classify":  # it was ignored: trained as an LM
         raise ValueError(f"--classes {classes}: a {config.model_type} model trains here as a "
                          "language model only (no classifier head)")
@@ -306,7 +265,7 @@ def family_of(config, classes: int = 0) -> Family:
 
 def hf_class(config, family: Family) -> str:
     arch = ARCH[config.model_type]
-    return arch.prefix + (arch.classifier if family is DECODER_CLASSIFIER else family.hf_class)
+    return arch.prefix + (arch.classifier if family in DECODER_CLASSIFIERS else family.hf_class)
 
 
 def max_positions(config) -> int | None:
@@ -361,12 +320,13 @@ def make_stage(config, family: Family, kind: str):
         return {"embed": stages.Gpt2Embed, "block": stages.Gpt2Block,
                 "head": stages.gpt2_head}[kind](config)
     # a mixture of experts' load-balancing loss (causal LMs that train with it: balance.py)
-    balance = balance_of(config, family is DECODER and arch.aux_loss) if arch.experts else None
+    balance = (balance_of(config, family.objective == "lm" and arch.aux_loss) if arch.experts
+               else None)
     if kind.split("-")[0] in BLOCKS:  # as the first of its kind
         kinds = block_kinds(config)
         return stages.DecoderBlock(config, arch, kinds.index(kind), kind.split("-")[0],
                                    balance)
-    if family is DECODER_CLASSIFIER:
+    if family in DECODER_CLASSIFIERS:
         return {"embed": stages.DecoderEmbed, "head": stages.DecoderClassifier}[kind](config,
                                                                                    arch)
     return {"embed": stages.DecoderEmbed, "head": stages.decoder_head}[kind](config, arch,

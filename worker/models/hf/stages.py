@@ -170,7 +170,8 @@ class DecoderEmbed(nn.Module):
 
     def __init__(self, config, arch, balance=None):
         super().__init__()
-        args = (config.vocab_size, config.hidden_size, config.pad_token_id)
+        args = (config.vocab_size, config.hidden_size,
+                config.pad_token_id if arch.embed_padding else None)
         if arch.scaled_embedding:
             scaled = arch.cls("TextScaledWordEmbedding")
             self.embed_tokens = scaled(*args, embed_scale=config.hidden_size ** 0.5)
@@ -212,7 +213,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, config, arch, layer_idx: int, mixer: str = "block", balance=None):
         super().__init__()
         self.config, self.mixer = config, mixer  # "block", "sliding", "chunked" or "linear"
-        self.layer = arch.cls("DecoderLayer")(config, layer_idx)
+        self.layer = arch.cls(arch.layer_class)(config, layer_idx)
         checkpoint_buffers(self.layer)
         for name, p in self.layer.named_parameters():
             if name.startswith(arch.untrained):  # (no gradient ever: frozen, not decayed)
