@@ -50,7 +50,8 @@ def _stepper(mcfg: ModelConfig, a, stop_early: bool):
 def frozen(a) -> dict:
     torch.set_num_threads(2)
     half = a.layers // 2
-    cases = [(f"pre.*,blocks.[0-{half - 1}].*", f"embedding and blocks 0-{half - 1}"),
+    bottom = ",".join(["pre.*"] + [f"blocks.{i}.*" for i in range(half)])
+    cases = [(bottom, f"embedding and blocks 0-{half - 1}"),
              ("pre.*", "embedding")]
     rows, targets = [], []
     for freeze, what in cases:

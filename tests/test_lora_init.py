@@ -128,6 +128,7 @@ def _adapter(tmp_path, config: dict, tensors: dict | None = None):
     ({"layers_to_transform": [0], "layers_pattern": "decoder"}, {}, "layers_pattern"),
     ({"layers_to_transform": [0]}, {"lora_layers": "1"}, "--lora-layers 1 disagrees"),
     ({"bias": "lora_only"}, {}, "bias"),
+    ({"init_lora_weights": "pissa_niter_4"}, {}, "rewrites the base weights"),
     ({"peft_type": "IA3"}, {}, "IA3 adapter"),
     ({"target_modules": "model.*q_proj"}, {}, "pattern"),
     ({"target_modules": ["self_attn.q_proj"]}, {}, "last name"),
@@ -139,10 +140,12 @@ def test_an_adapter_l2l_does_not_build_is_refused(tmp_path, config, given, why):
     init = _adapter(tmp_path, config)
     with pytest.raises(ValueError, match=why):
         ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init), **given)
-    # agreeing options, and a new dropout, are taken
+    # agreeing options (nothing trained whole: none, or PEFT's default), and a new dropout,
+    # are taken
     cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(_adapter(tmp_path, {})),
-                      lora_rank=4, lora_targets="v_proj,q_proj", lora_dropout=0.1)
-    assert (cfg.lora_rank, cfg.lora_dropout) == (4, 0.1)
+                      lora_rank=4, lora_targets="v_proj,q_proj", lora_dropout=0.1,
+                      lora_modules_to_save="none")
+    assert (cfg.lora_rank, cfg.lora_dropout, cfg.lora_modules_to_save) == (4, 0.1, "none")
 
 
 def test_an_adapter_of_another_model_is_refused(tmp_path):
@@ -175,6 +178,7 @@ def test_an_adapter_of_another_model_is_refused(tmp_path):
     assert p.returncode == REFUSED and "has shape" in p.stderr, p.stderr
     assert not (tmp_path / "runs").exists()  # no job was made
     refused(own, "has no .*k_proj", {"target_modules": ["q_proj", "v_proj", "k_proj"]})
+    refused(own, "a SEQ_CLS adapter, and this job trains a CAUSAL_LM", {"task_type": "SEQ_CLS"})
     (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
     (tmp_path / "adapter" / "adapter_model.bin").write_bytes(b"pickle")
     refused(None, "a pickle")
@@ -207,9 +211,11 @@ def test_lora_init_through_the_launcher_and_an_export_without_it(tmp_path):
     for f in init.iterdir():
         f.unlink()
     init.rmdir()
-    assert export_main([str(tmp_path / "ck"), str(tmp_path / "again")]) == 0
-    again = load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
-    assert all(torch.equal(again[k], saved[k]) for k in saved)
+    [job_file] = (tmp_path / "runs").glob("*/config.json")  # (it names --lora-init too)
+    for out, extra in (("again", []), ("again-config", ["--config", str(job_file)])):
+        assert export_main([str(tmp_path / "ck"), str(tmp_path / out), *extra]) == 0
+        again = load_file(str(tmp_path / out / "adapter_model.safetensors"))
+        assert all(torch.equal(again[k], saved[k]) for k in saved)
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
                               str(tmp_path / "again"))
 
@@ -232,7 +238,8 @@ def test_lora_layers_adapts_the_blocks_it_names_as_peft_does(tmp_path):
     got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-2)
     init = tmp_path / "init"
     _initial_adapter(path, init, **lora)
-    assert json.loads((init / "adapter_config.json").read_text())["layers_to_transform"] == [0, 2]
+    written = json.loads((init / "adapter_config.json").read_text())
+    assert (written["layers_to_transform"], written["layers_pattern"]) == ([0, 2], "layers")
     want = _peft_names(train_hf(
         str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-2,
         wrap=lambda hf: PeftModel.from_pretrained(hf, str(init), is_trainable=True)))

@@ -104,8 +104,9 @@ class ModelConfig:
     """The linear layers of the blocks that get adapters: their names (the last part of the
     module's name, e.g. q_proj,k_proj,v_proj,o_proj), all-linear (GPT-2's Conv1D layers
     included), or auto: PEFT's default where it has one (query,value for BERT and RoBERTa,
-    c_attn for GPT-2, q_proj,v_proj for Llama, Mistral, Qwen and Gemma), else qkv_proj for
-    Phi-3 and q_proj,v_proj; none: no linear layer (with --lora-target-parameters)."""
+    c_attn for GPT-2, q_proj,v_proj,fc1,fc2 for Phi, query_key_value for GPT-NeoX,
+    q_proj,v_proj for Llama, Mistral, Qwen and Gemma), else qkv_proj for Phi-3 and
+    q_proj,v_proj; none: no linear layer (with --lora-target-parameters)."""
     lora_layers: str = ""
     """With LoRA: the blocks whose targeted linear layers get adapters (PEFT's
     layers_to_transform), their indices from 0: e.g. 0-3,20 (ranges inclusive); empty: every
@@ -126,8 +127,9 @@ class ModelConfig:
     """Start LoRA from this PEFT adapter directory (adapter_config.json and
     adapter_model.safetensors, as PEFT's save_pretrained or --save write them), as
     PeftModel.from_pretrained(base, DIR, is_trainable=True) does: its config sets the LoRA
-    options (--lora-rank and the others may be left out; given, they must agree; --lora-dropout
-    may differ), its tensors are the adapters' (and modules to save's) initial values."""
+    options (--lora-rank and the others may be left out; given, they must agree; a
+    --lora-dropout above 0 replaces the adapter's), its tensors are the adapters' (and modules
+    to save's) initial values."""
     merge: bool = False
     """With LoRA: --save (and l2l-export) write the whole model with the adapter merged into
     its weights (W + alpha/r B A), not the adapter."""
@@ -177,7 +179,9 @@ class ModelConfig:
                                          self.lora_target_parameters.strip()):
             raise ValueError("--lora-layers picks the blocks --lora-targets adapts: give "
                              "--lora-rank, and not --lora-target-parameters (PEFT's "
-                             "layers_to_transform does not apply to them)")
+                             "layers_to_transform does not apply to them)" + (
+                                 f"; --lora-init {self.lora_init}'s adapter has both"
+                                 if self.lora_init else ""))
         lora_layers(self.lora_layers)  # (its error, now)
         if (self.lora_rslora or self.lora_dora) and not self.lora_rank:
             raise ValueError("--lora-rslora and --lora-dora shape a LoRA adapter: give "

@@ -12,6 +12,7 @@ An hf: model's source directory gives the config and the tokenizer files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -52,7 +53,8 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
     with open(os.path.join(checkpoint, "state.json")) as f:
         state = json.load(f)
     step = int(state["step"])
-    model = build_model(mcfg)
+    # (what --lora-init set is in the options; its adapter is not needed to write the result)
+    model = build_model(dataclasses.replace(mcfg, lora_init="") if mcfg.lora_rank else mcfg)
     manifest = model.manifest()
     if manifest.hash() != saved.hash():
         why = manifest_difference(saved, manifest) or "manifests differ"

@@ -23,6 +23,9 @@ UNSUPPORTED = ("exclude_modules", "rank_pattern", "alpha_pattern",
                "megatron_config", "trainable_token_indices", "alora_invocation_tokens",
                "use_qalora", "layer_replication", "lora_bias", "use_bdlora", "arrow_config",
                "kasa_config", "velora_config", "monteclora_config")
+# PEFT's initialisations that leave the base weights be (the others, PiSSA, OLoRA, CorDA,
+# LoftQ, LoRA-GA, rewrite them as they start the adapter, and so does loading such an adapter)
+PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 # the modules a sequence classifier's adapter trains whole by default (PEFT's SEQ_CLS, and
 # --lora-modules-to-save auto's): models/lora.py CLASSIFIER_HEADS
 HEADS = ("classifier", "score")
@@ -112,7 +115,12 @@ def _split(names: str) -> set[str]:
 def _same(name: str, given, value) -> bool:
     if name == "lora_layers":
         return lora_layers(given) == lora_layers(value)
-    if name in ("lora_targets", "lora_target_parameters", "lora_modules_to_save"):
+    if name == "lora_modules_to_save":  # (auto: a classifier's heads, nothing for an LM)
+        if {given, value} == {"none", "auto"}:
+            return True
+        expand = {"auto": ",".join(HEADS), "none": ""}
+        return _split(expand.get(given, given)) == _split(expand.get(value, value))
+    if name in ("lora_targets", "lora_target_parameters"):
         return _split(given) == _split(value)
     return given == value
 
@@ -121,6 +129,8 @@ def resolve(cfg) -> None:
     """Fill ``cfg``'s (a ModelConfig's) LoRA options from ``cfg.lora_init``'s config; raise
     ValueError where they disagree or where the adapter is one l2l does not build."""
     path = cfg.lora_init
+    if cfg.lora_rank and not os.path.exists(path):
+        return  # (a job's options replayed, resolved, after the adapter went: l2l-export)
     config = read(path)
     try:
         if config.get("peft_type", "LORA") != "LORA":
@@ -130,6 +140,10 @@ def resolve(cfg) -> None:
                 raise ValueError(f"its {key} ({config[key]!r}) is not supported")
         if config.get("bias", "none") != "none":
             raise ValueError(f"its bias ({config['bias']!r}) is not supported (only 'none')")
+        if config.get("init_lora_weights", True) not in PLAIN_INITS:
+            raise ValueError(f"its init_lora_weights ({config['init_lora_weights']!r}) rewrites "
+                             "the base weights as PEFT loads it: convert it to a plain LoRA "
+                             "adapter first (PEFT's path_initial_model_for_weight_conversion)")
         want = {"lora_rank": int(config.get("r", 8)),
                 "lora_alpha": float(config.get("lora_alpha", 8)),
                 "lora_rslora": bool(config.get("use_rslora")),
@@ -146,10 +160,11 @@ def resolve(cfg) -> None:
     defaults = {f.name: f.default for f in fields(cfg)}
     for name, value in want.items():
         given = getattr(cfg, name)
-        if not (given == defaults[name] or _same(name, given, value)):
+        if given != defaults[name] and not _same(name, given, value):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {given} disagrees with the adapter {path} ({value}): "
                              "its adapter_config.json decides; leave the option out")
-        setattr(cfg, name, value)
+        if given == defaults[name]:
+            setattr(cfg, name, value)
     if not cfg.lora_dropout:
         cfg.lora_dropout = dropout

@@ -113,7 +113,9 @@ class HfModel(LayeredModel):
         self._kinds = families.block_kinds(c)
         beyond = [i for i in lora_layers(cfg.lora_layers) if i >= len(self._kinds)]
         if beyond:
-            raise ValueError(f"--lora-layers {cfg.lora_layers}: the model has "
+            given = (f"--lora-init {cfg.lora_init}'s layers_to_transform" if cfg.lora_init
+                     else "--lora-layers")
+            raise ValueError(f"{given} {cfg.lora_layers}: the model has "
                              f"{len(self._kinds)} blocks (0-{len(self._kinds) - 1})")
         self.lora_modules: set[str] = set()  # names of the linear layers LoRA adapts
         self.lora_fan_in_fan_out = False  # whether they are Conv1D (GPT-2's: weight in x out)
@@ -287,7 +289,8 @@ class HfModel(LayeredModel):
             "fan_in_fan_out": self.lora_fan_in_fan_out, "init_lora_weights": True,
             "inference_mode": True, "use_rslora": cfg.lora_rslora, "use_dora": cfg.lora_dora,
             "modules_to_save": list(self.lora_saved) or None,
-            "layers_to_transform": layers or None,
+            "layers_to_transform": layers or None,  # (and where a block's index is)
+            "layers_pattern": self.family.blocks() if layers else None,
             **({"target_parameters": sorted(lora.names(cfg.lora_target_parameters))}
                if self.lora_stacked else {})}, self.save_dtype())
 

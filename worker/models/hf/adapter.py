@@ -17,10 +17,15 @@ import torch
 from protocol.safetensors_io import SafetensorsFile
 from protocol.tensors import LayerPlan, Manifest
 
+from ...lora_options import read
+
 ADAPTER_FILE = "adapter_model.safetensors"
+TASKS = {"lm": "CAUSAL_LM", "classify": "SEQ_CLS"}  # PEFT's task_type of each objective
 
 
 def _file(directory: str) -> SafetensorsFile:
+    if not os.path.isdir(directory):
+        raise ValueError(f"--lora-init {directory}: no such directory (a PEFT adapter's)")
     path = os.path.join(directory, ADAPTER_FILE)
     if not os.path.isfile(path):
         other = " (l2l reads safetensors only: adapter_model.bin is a pickle)" if (
@@ -42,6 +47,11 @@ def _wanted(model, manifest: Manifest) -> dict[str, tuple[int, ...]]:
 def check(model, manifest: Manifest) -> None:
     """Refuse an adapter file that is not ``model``'s adapter (ValueError)."""
     directory = model.cfg.lora_init
+    task, ours = read(directory).get("task_type"), TASKS[model.objective]
+    if task in TASKS.values() and task != ours:
+        raise ValueError(f"--lora-init {directory}: a {task} adapter, and this job trains a "
+                         f"{ours} model (--classes, or a sequence classifier's checkpoint, "
+                         "makes it SEQ_CLS)")
     file, want = _file(directory), _wanted(model, manifest)
     have = set(file.keys())
     missing, extra = sorted(set(want) - have), sorted(have - set(want))

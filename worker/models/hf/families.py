@@ -42,6 +42,10 @@ class Family:
     new_head: tuple[str, ...]  # checkpoint names a base-model checkpoint may lack (a new head)
     head: tuple[str, ...]  # the class's own head: read only from a checkpoint of this class
 
+    def blocks(self) -> str:
+        """The name of the module list of the blocks (layers, h, layer: PEFT's layers_pattern)."""
+        return self.prefixes["block"][0][1].split(".{i}")[0].rpartition(".")[2]
+
     def hf_name(self, layer: str, tensor: str) -> str:
         """The library's name of ``layer``'s ``tensor`` (as its model holds it)."""
         group, i = ("block", layer.split(".")[1]) if layer.startswith("blocks.") else (layer, "")
