@@ -14,6 +14,7 @@ JSON, not in the status (``make gpu-check`` exits 1 for a failed one).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from . import (
@@ -62,6 +63,10 @@ EXTRA = ("scale", "bootstrap", "gpu", "states")  # long, or needing a GPU: not i
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # A time budget stops a benchmark with SIGINT (bench/gpucheck.py): it must raise
+    # KeyboardInterrupt even where the process was started with SIGINT ignored (a background
+    # job of a script), so that the rows measured so far are kept.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     names = list(BENCHMARKS) + ["all"]
     if not argv or argv[0] not in names:
         asked = bool(argv) and argv[0] in ("-h", "--help")

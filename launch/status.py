@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import time
 
@@ -105,6 +106,8 @@ def show(renderable) -> None:
 def watch(client, interval: float, json_lines: bool) -> None:
     """Redraw every ``interval`` s until Ctrl-C (``json_lines``: one JSON line per poll)."""
     redraw = not json_lines and sys.stdout.isatty()  # else (a file, a pipe): one table a poll
+    # Ctrl-C ends it even where it was started with SIGINT ignored (a script's background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Live(auto_refresh=False) if redraw else contextlib.nullcontext() as live:
             while True:

@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from protocol.lifecycle import REFUSED
@@ -280,3 +282,32 @@ def test_lora_layers_of_a_multimodal_language_model(tmp_path):
     assert adapters and all(".language_model.layers.1." in k for k in adapters)
     again = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(tmp_path / "adapter"))
     assert (again.lora_layers, again.lora_targets) == ("1", "o_proj")
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 70000) | st.floats(allow_nan=True)
+                     | st.text(max_size=12), lambda c: st.lists(c, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=6)
+_keys = st.sampled_from(["r", "lora_alpha", "target_modules", "layers_to_transform",
+                         "layers_pattern", "modules_to_save", "target_parameters", "use_dora",
+                         "use_rslora", "lora_dropout", "bias", "peft_type", "rank_pattern",
+                         "init_lora_weights", "task_type"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(config=st.dictionaries(_keys, _json, max_size=6))
+@example(config={"lora_alpha": float("nan")})
+@example(config={"lora_alpha": float("inf"), "r": 4})
+@example(config={"r": 2 ** 40, "lora_dropout": 1.0})
+def test_any_adapter_config_is_taken_or_refused_with_a_reason(tmp_path, config):
+    """Whatever an adapter_config.json holds, --lora-init either takes it (a rank, a finite
+    positive alpha, a dropout in [0, 1)) or refuses it with a ValueError; nothing else
+    escapes."""
+    import math
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    try:
+        cfg = ModelConfig(model="hf:x", lora_init=str(tmp_path))
+    except ValueError:
+        return
+    assert cfg.lora_rank >= 1 and 0 < cfg.lora_alpha < math.inf and 0 <= cfg.lora_dropout < 1

@@ -164,8 +164,11 @@ class ModelConfig:
             from .lora_options import resolve
 
             resolve(self)
-        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
-            raise ValueError("lora_rank must be >= 0, lora_alpha > 0, lora_dropout in [0, 1)")
+        if self.lora_rank < 0 or not 0 < self.lora_alpha < float("inf") or not (
+                0 <= self.lora_dropout < 1):
+            raise ValueError("lora_rank must be >= 0, lora_alpha > 0 (finite), lora_dropout in "
+                             "[0, 1)" + (f" (--lora-init {self.lora_init}'s)" if self.lora_init
+                                         else ""))
         if self.lora_rank and not self.model.startswith("hf:"):
             raise ValueError("--lora-rank needs a Hugging Face model (--model hf:DIR)")
         if self.merge and not self.lora_rank:
