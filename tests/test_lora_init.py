@@ -126,7 +126,10 @@ def _adapter(tmp_path, config: dict, tensors: dict | None = None):
 
 
 @pytest.mark.parametrize("config, given, why", [
-    ({"rank_pattern": {"q_proj": 8}}, {}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj,k_proj": 8}}, {}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj": 0}}, {}, "--lora-rank-pattern"),
+    ({"exclude_modules": ".*q_proj"}, {}, "exclude_modules is the pattern"),
+    ({"alpha_pattern": {"q_proj": 4}}, {"lora_alpha_pattern": "q_proj=5"}, "disagrees"),
     ({"layers_to_transform": [0], "layers_pattern": "decoder"}, {}, "layers_pattern"),
     ({"layers_to_transform": [0]}, {"lora_layers": "1"}, "--lora-layers 1 disagrees"),
     ({"bias": "lora_only"}, {}, "bias"),
@@ -311,3 +314,62 @@ def test_any_adapter_config_is_taken_or_refused_with_a_reason(tmp_path, config):
     except ValueError:
         return
     assert cfg.lora_rank >= 1 and 0 < cfg.lora_alpha < math.inf and 0 <= cfg.lora_dropout < 1
+
+
+def test_per_module_ranks_alphas_and_exclusions_train_and_merge_as_peft(tmp_path):
+    """--lora-rank-pattern, --lora-alpha-pattern and --lora-exclude-modules (PEFT's
+    rank_pattern, alpha_pattern, exclude_modules): each module gets the first matching
+    pattern's rank and alpha, an excluded one no adapter; 3 AdamW steps through the executor
+    equal PEFT's training from the same adapter, --merge folds each module's own scale in, and
+    --lora-init reads the options back."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .test_lora import _initial_adapter
+
+    path = fx.model_dir(tmp_path / "model", "llama", num_hidden_layers=3)
+    data = data_for("llama", tmp_path)
+    lora = {"lora_targets": "q_proj,v_proj,o_proj", "lora_rslora": True,
+            "lora_rank_pattern": r"layers\.2\.self_attn\.q_proj=6,v_proj=2",
+            "lora_alpha_pattern": "o_proj=3", "lora_exclude_modules": "layers.0.self_attn.q_proj"}
+    cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, **lora)
+    model = build_model(cfg)
+    shapes = {(p.name, s.name): s.shape for p in plan_layout(model.manifest()).layers
+              for s in p.tensors if "lora_A" in s.name}
+    assert shapes[("blocks.2", "layer.self_attn.q_proj.lora_A.weight")][0] == 6
+    assert shapes[("blocks.1", "layer.self_attn.q_proj.lora_A.weight")][0] == 4
+    assert shapes[("blocks.0", "layer.self_attn.v_proj.lora_A.weight")][0] == 2
+    assert ("blocks.0", "layer.self_attn.q_proj.lora_A.weight") not in shapes
+    assert len({k for _, k in model.layer_kinds()}) > 3  # (blocks alike share a kind)
+    # (lr 1e-3: at 1e-2 one element of the rank-6 A ends 1.4e-5 from PEFT's, the others
+    # within the tolerance: float noise AdamW enlarges, as test_lora.py notes for others)
+    got = train_local_l2l(cfg, steps=3, micro_batches=2, batch_size=4, data=data, lr=1e-3)
+    init = tmp_path / "init"
+    _initial_adapter(path, init, **lora)
+    written = json.loads((init / "adapter_config.json").read_text())
+    assert written["rank_pattern"] == {r"layers\.2\.self_attn\.q_proj": 6, "v_proj": 2}
+    assert written["exclude_modules"] == ["layers.0.self_attn.q_proj"]
+    want = _peft_names(train_hf(
+        str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-3,
+        wrap=lambda hf: PeftModel.from_pretrained(hf, str(init), is_trainable=True)))
+    assert {k for k in got if ".lora_" in k} == {k for k in want if ".lora_" in k}
+    assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
+    again = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init))
+    assert (again.lora_rank_pattern, again.lora_alpha_pattern, again.lora_exclude_modules) == (
+        lora["lora_rank_pattern"], "o_proj=3.0", "layers.0.self_attn.q_proj")
+
+    tensors = {}  # B moved off zero: the merged model computes what PEFT computes
+    for merge, out in ((False, "adapter"), (True, "merged")):
+        m = build_model(dataclasses.replace(cfg, merge=merge))
+        for plan in plan_layout(m.manifest()).layers:
+            for n, v in m.loader().load(plan).items():
+                tensors.setdefault((plan.name, n), torch.randn_like(v) / 8 if "lora_B" in n
+                                   else v)
+        m.export(str(tmp_path / out), dict(tensors), {})
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),
+                                        str(tmp_path / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))(input_ids=ids).logits,
+            adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-4)

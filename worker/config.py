@@ -6,42 +6,15 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from protocol.endpoints import default_endpoint
 
 from .faults import Fault, parse_delays
+from .spelled import lora_layers, patterns, size_bytes
 
 BUILTIN_MODELS = ("bert", "gpt")
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def size_bytes(text: str) -> int:
-    """A size as save_pretrained's max_shard_size reads it ("5GB": 5 * 10**9, "2GiB": 2 * 2**30,
-    or bytes), in bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m and _UNITS.get(m.group(2).upper())
-    if not unit or float(m.group(1)) * unit < 1:
-        raise ValueError(f"--save-max-shard-size {text!r}: give a size such as 5GB, 500MB or "
-                         "2GiB")
-    return int(float(m.group(1)) * unit)
-
-
-def lora_layers(spec: str) -> tuple[int, ...]:
-    """--lora-layers: the block indices it names ("0-3,20": 0, 1, 2, 3, 20), sorted."""
-    out = set()
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
-        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
-            raise ValueError(f"--lora-layers {spec!r}: give block indices and ranges, e.g. "
-                             "0-3,20")
-        out.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
-    return tuple(sorted(out))
 
 
 @dataclass(kw_only=True)
@@ -111,6 +84,16 @@ class ModelConfig:
     """With LoRA: the blocks whose targeted linear layers get adapters (PEFT's
     layers_to_transform), their indices from 0: e.g. 0-3,20 (ranges inclusive); empty: every
     block. Not with --lora-target-parameters (PEFT's layers_to_transform leaves them be)."""
+    lora_rank_pattern: str = ""
+    """With LoRA: other ranks for some adapted modules (PEFT's rank_pattern): PATTERN=RANK
+    pairs, e.g. q_proj=16,layers\\.0\\.mlp\\.down_proj=4; a module whose name (PEFT's) ends
+    with a match of a pattern gets the first such pattern's rank."""
+    lora_alpha_pattern: str = ""
+    """With LoRA: other alphas for some adapted modules (PEFT's alpha_pattern), as
+    --lora-rank-pattern."""
+    lora_exclude_modules: str = ""
+    """With LoRA: modules --lora-targets would adapt that get no adapter (PEFT's
+    exclude_modules): names or ends of names, e.g. layers.0.self_attn.q_proj."""
     lora_target_parameters: str = ""
     """With LoRA: a mixture of experts' stacked expert weights that get adapters too, as PEFT's
     target_parameters (parameter names, or their last parts: gate_up_proj,down_proj adapts
@@ -186,6 +169,13 @@ class ModelConfig:
                                  f"; --lora-init {self.lora_init}'s adapter has both"
                                  if self.lora_init else ""))
         lora_layers(self.lora_layers)  # (its error, now)
+        per_module = (patterns(self.lora_rank_pattern, "--lora-rank-pattern", True)
+                      or patterns(self.lora_alpha_pattern, "--lora-alpha-pattern", False)
+                      or self.lora_exclude_modules.strip())
+        if per_module and (not self.lora_rank or self.lora_target_parameters.strip()):
+            raise ValueError("--lora-rank-pattern, --lora-alpha-pattern and "
+                             "--lora-exclude-modules shape the adapters of --lora-targets: "
+                             "give --lora-rank, and not --lora-target-parameters")
         if (self.lora_rslora or self.lora_dora) and not self.lora_rank:
             raise ValueError("--lora-rslora and --lora-dora shape a LoRA adapter: give "
                              "--lora-rank")

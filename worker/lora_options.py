@@ -4,7 +4,7 @@
 describes, and so does l2l: the config decides the rank, alpha, rank stabilisation, DoRA, the
 targeted modules and parameters and the modules trained whole; an option given beside it must
 agree with it (left at its default, it takes the config's value). Dropout, which shapes nothing,
-may be given anew. What l2l does not build (per-layer ranks or alphas, biases, excluded modules,
+may be given anew. What l2l does not build (biases, an initialisation that rewrites the base,
 ...) is refused by name. The adapter's tensors are read by the model (models/hf/adapter.py).
 """
 
@@ -15,12 +15,11 @@ import os
 import re
 from dataclasses import fields
 
-from .config import lora_layers
+from .spelled import lora_layers, patterns
 
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's options that build something l2l does not: refused unless at PEFT's default
-UNSUPPORTED = ("exclude_modules", "rank_pattern", "alpha_pattern",
-               "megatron_config", "trainable_token_indices", "alora_invocation_tokens",
+UNSUPPORTED = ("megatron_config", "trainable_token_indices", "alora_invocation_tokens",
                "use_qalora", "layer_replication", "lora_bias", "use_bdlora", "arrow_config",
                "kasa_config", "velora_config", "monteclora_config")
 # PEFT's initialisations that leave the base weights be (the others, PiSSA, OLoRA, CorDA,
@@ -112,6 +111,25 @@ def _split(names: str) -> set[str]:
     return {t.strip() for t in str(names).split(",") if t.strip()}
 
 
+def _pattern(value, key: str) -> str:
+    """--lora-rank-pattern / --lora-alpha-pattern for PEFT's rank_pattern / alpha_pattern."""
+    if not value:
+        return ""
+    if not isinstance(value, dict) or any(not isinstance(k, str) or "," in k or "=" in k
+                                          for k in value):
+        raise ValueError(f"its {key} is {value!r}: expected a map of patterns (without ',' "
+                         "or '=') to values")
+    return ",".join(f"{k}={v}" for k, v in value.items())
+
+
+def _excluded(value) -> str:
+    """--lora-exclude-modules for PEFT's exclude_modules (names; not a pattern)."""
+    if isinstance(value, str) and value:
+        raise ValueError(f"its exclude_modules is the pattern {value!r}: l2l excludes modules "
+                         "by their names (a list in the config)")
+    return ",".join(_names(value or [], "exclude_modules"))
+
+
 def _same(name: str, given, value) -> bool:
     if name == "lora_layers":
         return lora_layers(given) == lora_layers(value)
@@ -120,7 +138,10 @@ def _same(name: str, given, value) -> bool:
             return True
         expand = {"auto": ",".join(HEADS), "none": ""}
         return _split(expand.get(given, given)) == _split(expand.get(value, value))
-    if name in ("lora_targets", "lora_target_parameters"):
+    if name in ("lora_rank_pattern", "lora_alpha_pattern"):
+        rank = name == "lora_rank_pattern"
+        return patterns(given, name, rank) == patterns(value, name, rank)
+    if name in ("lora_targets", "lora_target_parameters", "lora_exclude_modules"):
         return _split(given) == _split(value)
     return given == value
 
@@ -151,7 +172,10 @@ def resolve(cfg) -> None:
                 "lora_targets": _targets(config)[0], "lora_layers": _targets(config)[1],
                 "lora_target_parameters": ",".join(_names(
                     config.get("target_parameters") or [], "target_parameters")),
-                "lora_modules_to_save": _saved(config.get("modules_to_save"))}
+                "lora_modules_to_save": _saved(config.get("modules_to_save")),
+                "lora_rank_pattern": _pattern(config.get("rank_pattern"), "rank_pattern"),
+                "lora_alpha_pattern": _pattern(config.get("alpha_pattern"), "alpha_pattern"),
+                "lora_exclude_modules": _excluded(config.get("exclude_modules"))}
         dropout = float(config.get("lora_dropout") or 0.0)
     except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f"--lora-init {path}: {e}") from None

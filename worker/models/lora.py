@@ -133,24 +133,36 @@ def targets(spec: str, model_type: str = "") -> tuple[str, ...] | None:
     return names(spec)
 
 
-def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
-          model_type: str = "", dora: bool = False) -> dict[str, bool]:
-    """Add LoRA (rank ``rank``, its update scaled by ``scale``; ``dora``: DoRA's magnitudes,
-    given their values by the loader) to the targeted linear layers of ``module`` (one stage):
-    their names, each with whether it is a ``Conv1D`` (weight in x out)."""
+def targeted(module: nn.Module, spec: str, model_type: str = "") -> list[str]:
+    """The names of the linear layers of ``module`` (one stage) --lora-targets ``spec``
+    adapts."""
     want, conv1d = targets(spec, model_type), _conv1d()
-    found = [(n, m) for n, m in module.named_modules() if type(m) in (nn.Linear, conv1d) and
-             (want is None or n.rpartition(".")[2] in want)
-             and m.weight.requires_grad]  # (not a linear the library never trains: frozen)
+    return [n for n, m in module.named_modules() if type(m) in (nn.Linear, conv1d) and
+            (want is None or n.rpartition(".")[2] in want)
+            and m.weight.requires_grad]  # (not a linear the library never trains: frozen)
+
+
+def apply(module: nn.Module, rank: int, scale: float, spec: str, dropout: float,
+          model_type: str = "", dora: bool = False,
+          only: dict[str, tuple[int, float]] | None = None) -> dict[str, bool]:
+    """Add LoRA (rank ``rank``, its update scaled by ``scale``; ``dora``: DoRA's magnitudes,
+    given their values by the loader) to the targeted linear layers of ``module`` (one stage),
+    or to those ``only`` names, each with its (rank, scale): their last names, each with
+    whether it is a ``Conv1D`` (weight in x out)."""
+    conv1d = _conv1d()
+    names = targeted(module, spec, model_type)
+    shapes = {n: (rank, scale) for n in names} if only is None else {
+        n: only[n] for n in names if n in only}
+    found = [(n, module.get_submodule(n)) for n in shapes]
     kinds = {n.rpartition(".")[2]: type(m) is conv1d for n, m in found}
-    for _, lin in found:
+    for name, lin in found:
         transposed = type(lin) is conv1d
         fan_in, fan_out = lin.weight.shape if transposed else lin.weight.shape[::-1]
         kw = {"device": lin.weight.device, "dtype": lin.weight.dtype}
-        lin.lora_A = nn.Linear(fan_in, rank, bias=False, **kw)
-        lin.lora_B = nn.Linear(rank, fan_out, bias=False, **kw)
+        r, lin.scaling = shapes[name]
+        lin.lora_A = nn.Linear(fan_in, r, bias=False, **kw)
+        lin.lora_B = nn.Linear(r, fan_out, bias=False, **kw)
         lin.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        lin.scaling = scale
         if dora:
             lin.lora_magnitude_vector = nn.Parameter(torch.ones(fan_out, **kw))
         lin.__class__ = _lora_conv1d(conv1d) if transposed else LoraLinear
@@ -310,11 +322,12 @@ def adapter_files(path: str, named: dict[str, torch.Tensor], config: dict,
 
 
 def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
-           fan_in_fan_out: bool = False, stacked: dict | None = None) -> dict:
+           fan_in_fan_out: bool = False, stacked: dict | None = None,
+           scales: dict[tuple[str, str], float] | None = None) -> dict:
     """The base weights with each adapter folded in (W + s * B @ A; with DoRA's magnitude m,
     m / ||W + s B A||_row * (W + s B A); a ``Conv1D``'s weight, ``fan_in_fan_out``, is
-    transposed to that and back), the adapter left out: ``tensors`` in place, each base weight
-    let go as its merged value replaces it."""
+    transposed to that and back; ``scales``: s of some (layer, module)), the adapter left
+    out: ``tensors`` in place, each base weight let go as its merged value replaces it."""
     adapters = {k: tensors.pop(k) for k in [k for k in tensors if is_adapter(k[1])]}
     for (layer, name), a in adapters.items():
         if name.endswith(".lora_A.weight"):
@@ -327,7 +340,8 @@ def merged(tensors: dict[tuple[str, str], torch.Tensor], scaling: float,
                                                       alpha=scaling)
                 continue
             w = tensors[layer, prefix + ".weight"]
-            w = (w.T if fan_in_fan_out else w) + scaling * (b @ a)
+            s = (scales or {}).get((layer, prefix), scaling)  # (a module's own alpha and rank)
+            w = (w.T if fan_in_fan_out else w) + s * (b @ a)
             magnitude = adapters.get((layer, prefix + MAGNITUDE))
             if magnitude is not None:
                 w = (magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1) * w

@@ -17,6 +17,7 @@ the manifest.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 import os
@@ -29,11 +30,11 @@ from .. import lora
 from ..base import LayeredModel, save_dtype
 from . import adapter, families, multimodal, quantized
 from .checkpoint import HfCheckpoint, export, unrounded
+from .lora_plan import LoraPlan
 
 log = logging.getLogger("l2l_worker")
 
 PREFIX = "hf:"
-PLAIN = "-plain"  # the kind of a block --lora-layers leaves without adapters
 
 
 def load_config(path: str):
@@ -152,14 +153,20 @@ class HfModel(LayeredModel):
             return self.config.pad_token_id
         return super().pad_id(tokenizer)
 
+    @functools.cached_property
+    def lora_plan(self) -> LoraPlan:
+        """Each block's adapted modules, their ranks and alphas (lora_plan.py)."""
+        return LoraPlan(self)
+
     def make_stage(self, kind: str):
-        plain = kind.endswith(PLAIN)  # (a block outside --lora-layers: no adapters)
-        module = families.make_stage(self.config, self.family, kind.removesuffix(PLAIN))
         cfg = self.cfg
-        if cfg.lora_rank and kind not in ("embed", "head") and not plain:  # the blocks' linears
+        lora_block = bool(cfg.lora_rank) and kind not in ("embed", "head")
+        base, only = self.lora_plan.of(kind) if lora_block else (kind, None)
+        module = families.make_stage(self.config, self.family, base)
+        if lora_block:  # LoRA on the blocks' linears (``only``: some, at their own shapes)
             found = lora.apply(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_targets,
-                cfg.lora_dropout, self.config.model_type, cfg.lora_dora)
+                cfg.lora_dropout, self.config.model_type, cfg.lora_dora, only)
             stacked = lora.apply_parameters(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_target_parameters)
             self.lora_modules |= found.keys()
@@ -221,9 +228,8 @@ class HfModel(LayeredModel):
         return super().exported(plan)
 
     def layer_kinds(self) -> list[tuple[str, str]]:
-        adapted = lora_layers(self.cfg.lora_layers) if self.cfg.lora_rank else ()
-        return ([("pre", "embed")] + [(f"blocks.{i}", k + PLAIN if adapted and i not in adapted
-                                       else k) for i, k in enumerate(self._kinds)]
+        kinds = self.lora_plan.kinds if self.cfg.lora_rank else self._kinds
+        return ([("pre", "embed")] + [(f"blocks.{i}", k) for i, k in enumerate(kinds)]
                 + [("post", "head")])
 
     def meta(self) -> dict:
@@ -272,8 +278,9 @@ class HfModel(LayeredModel):
         self.manifest()  # (the targeted modules' names and kinds)
         if cfg.merge:
             scale = lora.scaling(cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora)
-            return export(self, path, lora.merged(unrounded(self, tensors), scale,
-                                                  self.lora_fan_in_fan_out, self.lora_stacked))
+            return export(self, path, lora.merged(
+                unrounded(self, tensors), scale, self.lora_fan_in_fan_out, self.lora_stacked,
+                self.lora_plan.scales(dict(self.layer_kinds()))))
         trains = self.lora_trains()
         named = {self.adapter_name(layer, n): t for (layer, n), t in tensors.items()
                  if trains(layer, n)}
@@ -291,6 +298,7 @@ class HfModel(LayeredModel):
             "modules_to_save": list(self.lora_saved) or None,
             "layers_to_transform": layers or None,  # (and where a block's index is)
             "layers_pattern": self.family.blocks() if layers else None,
+            **self.lora_plan.pattern_config(),
             **({"target_parameters": sorted(lora.names(cfg.lora_target_parameters))}
                if self.lora_stacked else {})}, self.save_dtype())
 
