@@ -127,7 +127,7 @@ def _adapter(tmp_path, config: dict, tensors: dict | None = None):
 
 @pytest.mark.parametrize("config, given, why", [
     ({"rank_pattern": {"q_proj,k_proj": 8}}, {}, "rank_pattern"),
-    ({"rank_pattern": {"q_proj": 0}}, {}, "--lora-rank-pattern"),
+    ({"rank_pattern": {"q_proj": 0}}, {}, "its rank_pattern .q_proj=0."),
     ({"exclude_modules": ".*q_proj"}, {}, "exclude_modules is the pattern"),
     ({"alpha_pattern": {"q_proj": 4}}, {"lora_alpha_pattern": "q_proj=5"}, "disagrees"),
     ({"layers_to_transform": [0], "layers_pattern": "decoder"}, {}, "layers_pattern"),
@@ -293,7 +293,8 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-3, 70000) | st.flo
 _keys = st.sampled_from(["r", "lora_alpha", "target_modules", "layers_to_transform",
                          "layers_pattern", "modules_to_save", "target_parameters", "use_dora",
                          "use_rslora", "lora_dropout", "bias", "peft_type", "rank_pattern",
-                         "init_lora_weights", "task_type"])
+                         "init_lora_weights", "task_type", "alpha_pattern",
+                         "exclude_modules"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -302,6 +303,9 @@ _keys = st.sampled_from(["r", "lora_alpha", "target_modules", "layers_to_transfo
 @example(config={"lora_alpha": float("nan")})
 @example(config={"lora_alpha": float("inf"), "r": 4})
 @example(config={"r": 2 ** 40, "lora_dropout": 1.0})
+@example(config={"r": float("inf")})
+@example(config={"lora_alpha": 10 ** 400, "rank_pattern": {"a{99999999999}": 2}})
+@example(config={"rank_pattern": {"(?i)q_proj": 2}, "alpha_pattern": {"x": "y"}})
 def test_any_adapter_config_is_taken_or_refused_with_a_reason(tmp_path, config):
     """Whatever an adapter_config.json holds, --lora-init either takes it (a rank, a finite
     positive alpha, a dropout in [0, 1)) or refuses it with a ValueError; nothing else
@@ -330,14 +334,18 @@ def test_per_module_ranks_alphas_and_exclusions_train_and_merge_as_peft(tmp_path
     path = fx.model_dir(tmp_path / "model", "llama", num_hidden_layers=3)
     data = data_for("llama", tmp_path)
     lora = {"lora_targets": "q_proj,v_proj,o_proj", "lora_rslora": True,
-            "lora_rank_pattern": r"layers\.2\.self_attn\.q_proj=6,v_proj=2",
-            "lora_alpha_pattern": "o_proj=3", "lora_exclude_modules": "layers.0.self_attn.q_proj"}
+            # (the first pattern that matches wins, as in PEFT: block 2's q_proj 6, the others 3;
+            # every o_proj alpha 3, block 1's second pattern never reached)
+            "lora_rank_pattern": r"layers\.2\.self_attn\.q_proj=6,q_proj=3,v_proj=2",
+            "lora_alpha_pattern": r"o_proj=3,layers\.1\.self_attn\.o_proj=5",
+            "lora_exclude_modules": "layers.0.self_attn.q_proj"}
     cfg = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4, lora_alpha=8, **lora)
     model = build_model(cfg)
     shapes = {(p.name, s.name): s.shape for p in plan_layout(model.manifest()).layers
               for s in p.tensors if "lora_A" in s.name}
     assert shapes[("blocks.2", "layer.self_attn.q_proj.lora_A.weight")][0] == 6
-    assert shapes[("blocks.1", "layer.self_attn.q_proj.lora_A.weight")][0] == 4
+    assert shapes[("blocks.1", "layer.self_attn.q_proj.lora_A.weight")][0] == 3
+    assert shapes[("blocks.1", "layer.self_attn.o_proj.lora_A.weight")][0] == 4
     assert shapes[("blocks.0", "layer.self_attn.v_proj.lora_A.weight")][0] == 2
     assert ("blocks.0", "layer.self_attn.q_proj.lora_A.weight") not in shapes
     assert len({k for _, k in model.layer_kinds()}) > 3  # (blocks alike share a kind)
@@ -347,7 +355,8 @@ def test_per_module_ranks_alphas_and_exclusions_train_and_merge_as_peft(tmp_path
     init = tmp_path / "init"
     _initial_adapter(path, init, **lora)
     written = json.loads((init / "adapter_config.json").read_text())
-    assert written["rank_pattern"] == {r"layers\.2\.self_attn\.q_proj": 6, "v_proj": 2}
+    assert list(written["rank_pattern"].items()) == [(r"layers\.2\.self_attn\.q_proj", 6),
+                                                     ("q_proj", 3), ("v_proj", 2)]
     assert written["exclude_modules"] == ["layers.0.self_attn.q_proj"]
     want = _peft_names(train_hf(
         str(path), data, steps=3, micro_batches=2, batch_size=4, seq_len=SEQ, lr=1e-3,
@@ -356,7 +365,11 @@ def test_per_module_ranks_alphas_and_exclusions_train_and_merge_as_peft(tmp_path
     assert_close(got, {k: want[k] for k in got}, atol=1e-5, rtol=1e-4)
     again = ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init))
     assert (again.lora_rank_pattern, again.lora_alpha_pattern, again.lora_exclude_modules) == (
-        lora["lora_rank_pattern"], "o_proj=3.0", "layers.0.self_attn.q_proj")
+        lora["lora_rank_pattern"], r"o_proj=3.0,layers\.1\.self_attn\.o_proj=5.0",
+        "layers.0.self_attn.q_proj")
+    with pytest.raises(ValueError, match="disagrees"):  # (the order decides: it must agree)
+        ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init),
+                    lora_alpha_pattern=r"layers\.1\.self_attn\.o_proj=5,o_proj=3")
 
     tensors = {}  # B moved off zero: the merged model computes what PEFT computes
     for merge, out in ((False, "adapter"), (True, "merged")):

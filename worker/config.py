@@ -86,14 +86,15 @@ class ModelConfig:
     block. Not with --lora-target-parameters (PEFT's layers_to_transform leaves them be)."""
     lora_rank_pattern: str = ""
     """With LoRA: other ranks for some adapted modules (PEFT's rank_pattern): PATTERN=RANK
-    pairs, e.g. q_proj=16,layers\\.0\\.mlp\\.down_proj=4; a module whose name (PEFT's) ends
-    with a match of a pattern gets the first such pattern's rank."""
+    pairs, e.g. q_proj=16,layers\\.0\\.mlp\\.down_proj=4; a module whose name (PEFT's)
+    a pattern matches whole, or from just after a '.' to its end, gets the first such
+    pattern's rank (a pattern cannot hold ',' or '=')."""
     lora_alpha_pattern: str = ""
     """With LoRA: other alphas for some adapted modules (PEFT's alpha_pattern), as
     --lora-rank-pattern."""
     lora_exclude_modules: str = ""
     """With LoRA: modules --lora-targets would adapt that get no adapter (PEFT's
-    exclude_modules): names or ends of names, e.g. layers.0.self_attn.q_proj."""
+    exclude_modules): names, or their ends after a '.', e.g. layers.0.self_attn.q_proj."""
     lora_target_parameters: str = ""
     """With LoRA: a mixture of experts' stacked expert weights that get adapters too, as PEFT's
     target_parameters (parameter names, or their last parts: gate_up_proj,down_proj adapts
@@ -169,10 +170,10 @@ class ModelConfig:
                                  f"; --lora-init {self.lora_init}'s adapter has both"
                                  if self.lora_init else ""))
         lora_layers(self.lora_layers)  # (its error, now)
-        per_module = (patterns(self.lora_rank_pattern, "--lora-rank-pattern", True)
-                      or patterns(self.lora_alpha_pattern, "--lora-alpha-pattern", False)
-                      or self.lora_exclude_modules.strip())
-        if per_module and (not self.lora_rank or self.lora_target_parameters.strip()):
+        per_module = [patterns(self.lora_rank_pattern, "--lora-rank-pattern", True),
+                      patterns(self.lora_alpha_pattern, "--lora-alpha-pattern", False),
+                      self.lora_exclude_modules.strip()]  # (each parsed: its error, now)
+        if any(per_module) and (not self.lora_rank or self.lora_target_parameters.strip()):
             raise ValueError("--lora-rank-pattern, --lora-alpha-pattern and "
                              "--lora-exclude-modules shape the adapters of --lora-targets: "
                              "give --lora-rank, and not --lora-target-parameters")

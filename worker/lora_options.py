@@ -119,7 +119,9 @@ def _pattern(value, key: str) -> str:
                                           for k in value):
         raise ValueError(f"its {key} is {value!r}: expected a map of patterns (without ',' "
                          "or '=') to values")
-    return ",".join(f"{k}={v}" for k, v in value.items())
+    spelled = ",".join(f"{k}={v}" for k, v in value.items())
+    patterns(spelled, f"its {key}", key == "rank_pattern")  # (its error, naming it)
+    return spelled
 
 
 def _excluded(value) -> str:
@@ -138,9 +140,10 @@ def _same(name: str, given, value) -> bool:
             return True
         expand = {"auto": ",".join(HEADS), "none": ""}
         return _split(expand.get(given, given)) == _split(expand.get(value, value))
-    if name in ("lora_rank_pattern", "lora_alpha_pattern"):
+    if name in ("lora_rank_pattern", "lora_alpha_pattern"):  # (in order: the first wins)
         rank = name == "lora_rank_pattern"
-        return patterns(given, name, rank) == patterns(value, name, rank)
+        return list(patterns(given, name, rank).items()) == list(
+            patterns(value, name, rank).items())
     if name in ("lora_targets", "lora_target_parameters", "lora_exclude_modules"):
         return _split(given) == _split(value)
     return given == value
@@ -177,7 +180,7 @@ def resolve(cfg) -> None:
                 "lora_alpha_pattern": _pattern(config.get("alpha_pattern"), "alpha_pattern"),
                 "lora_exclude_modules": _excluded(config.get("exclude_modules"))}
         dropout = float(config.get("lora_dropout") or 0.0)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, ArithmeticError) as e:
         raise ValueError(f"--lora-init {path}: {e}") from None
     if want["lora_rank"] < 1:
         raise ValueError(f"--lora-init {path}: its rank r is {want['lora_rank']}")

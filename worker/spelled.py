@@ -38,11 +38,11 @@ def patterns(spec: str, what: str, integer: bool) -> dict[str, float]:
     given ("PATTERN=VALUE,..."; a value >= 1 for a rank, > 0 for an alpha)."""
     out: dict[str, float] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
-        key, eq, value = part.rpartition("=")
-        try:
-            re.compile(key)
+        key, eq, value = (t.strip() for t in part.rpartition("="))
+        try:  # (as PEFT matches it: the whole name, or its end after a '.')
+            re.compile(rf"(.*\.)?({key})$")
             number = int(value) if integer else float(value)
-        except (re.error, ValueError):
+        except (re.error, ValueError, OverflowError):
             number = None
         if not eq or not key or number is None or not 0 < number < math.inf or (
                 integer and number < 1):

@@ -167,8 +167,9 @@ class HfModel(LayeredModel):
             found = lora.apply(module, cfg.lora_rank, lora.scaling(
                 cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_targets,
                 cfg.lora_dropout, self.config.model_type, cfg.lora_dora, only)
-            stacked = lora.apply_parameters(module, cfg.lora_rank, lora.scaling(
-                cfg.lora_alpha, cfg.lora_rank, cfg.lora_rslora), cfg.lora_target_parameters)
+            stacked = {} if only == {} else lora.apply_parameters(  # (-plain: none)
+                module, cfg.lora_rank, lora.scaling(cfg.lora_alpha, cfg.lora_rank,
+                                                    cfg.lora_rslora), cfg.lora_target_parameters)
             self.lora_modules |= found.keys()
             self.lora_fan_in_fan_out |= any(found.values())
             self.lora_stacked.update(stacked)
@@ -191,7 +192,10 @@ class HfModel(LayeredModel):
             return manifest
         if not self.lora_modules and not self.cfg.lora_target_parameters.strip():
             raise ValueError(f"--lora-targets {self.cfg.lora_targets} matches no linear layer "
-                             f"of a {self.config.model_type} block")  # (of any kind of block)
+                             f"of a {self.config.model_type} block" + (  # (of any kind)
+                                 " that --lora-exclude-modules and --lora-layers leave"
+                                 if self.cfg.lora_exclude_modules or self.cfg.lora_layers
+                                 else ""))
         if self.cfg.lora_target_parameters.strip() and not self.lora_stacked:
             raise ValueError(f"--lora-target-parameters {self.cfg.lora_target_parameters} "
                              f"matches no parameter of a {self.config.model_type} block (e.g. "

@@ -1,8 +1,8 @@
 """Which linear layers of each block LoRA adapts, at which rank and alpha, as PEFT decides it:
 --lora-targets, then --lora-layers (PEFT's layers_to_transform), --lora-exclude-modules
-(exclude_modules: a module whose PEFT name is, or ends with ".", one of them) and
+(exclude_modules: a module whose PEFT name is one of them, or ends with "." and one) and
 --lora-rank-pattern / --lora-alpha-pattern (rank_pattern, alpha_pattern: the first pattern
-whose match ends a module's PEFT name gives its value).
+that matches a module's PEFT name whole, or from just after a ".", gives its value).
 
 Blocks whose adapters are alike share a stage kind: the block's own kind where every target
 has --lora-rank and --lora-alpha, ``<kind>-plain`` where none is adapted, and
@@ -11,6 +11,7 @@ has --lora-rank and --lora-alpha, ``<kind>-plain`` where none is adapted, and
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -19,6 +20,8 @@ from ...spelled import lora_layers, patterns
 from .. import lora
 from ..base import SkipInitOnMeta
 from . import families
+
+log = logging.getLogger("l2l_worker")
 
 PLAIN, VARIANT = "-plain", "-lora"
 Spec = dict[str, tuple[int, float]]  # an adapted module (its name in the stage): (rank, alpha)
@@ -40,6 +43,7 @@ class LoraPlan:
         self.kinds: list[str] = []  # each block's
         self.variants: list[Spec] = []
         names: dict[str, list[str]] = {}  # base kind -> the modules --lora-targets adapts
+        used: set[str] = set()  # patterns and exclusions that match some module
         for i, kind in enumerate(model._kinds):
             if kind not in names:
                 with torch.device("meta"), SkipInitOnMeta():
@@ -49,7 +53,9 @@ class LoraPlan:
             for n in names[kind] if not layers or i in layers else ():
                 full = model.adapter_name(f"blocks.{i}", n + ".weight")[
                     len("base_model.model."):-len(".weight")]
-                if any(full == e or full.endswith("." + e) for e in excluded):
+                out = {e for e in excluded if full == e or full.endswith("." + e)}
+                used |= out | {k for k in (*self.ranks, *self.alphas) if _first((k,), full)}
+                if out:
                     continue
                 r, a = _first(self.ranks, full), _first(self.alphas, full)
                 spec[n] = (int(self.ranks[r]) if r is not None else self.rank,
@@ -62,6 +68,10 @@ class LoraPlan:
                 if spec not in self.variants:
                     self.variants.append(spec)
                 self.kinds.append(f"{kind}{VARIANT}{self.variants.index(spec)}")
+        unused = [k for k in (*excluded, *self.ranks, *self.alphas) if k not in used]
+        if unused:  # (as PEFT warns)
+            log.warning("LoRA: %s matches no module --lora-targets adapts (a pattern matches "
+                        "a name whole, or from just after a '.')", ", ".join(map(repr, unused)))
 
     def of(self, kind: str) -> tuple[str, dict[str, tuple[int, float]] | None]:
         """A stage kind's base kind, and its adapted modules with (rank, scale) (None: every
