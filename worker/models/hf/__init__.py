@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from ...config import lora_layers
+from ...spelled import lora_layers
 from ...inputs import hf_dir_problem
 from .. import lora
 from ..base import LayeredModel, save_dtype
