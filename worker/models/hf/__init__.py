@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from ...spelled import lora_layers
 from ...inputs import hf_dir_problem
+from ...spelled import lora_layers
 from .. import lora
 from ..base import LayeredModel, save_dtype
 from . import adapter, families, multimodal, quantized
