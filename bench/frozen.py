@@ -11,15 +11,10 @@ import argparse
 
 import torch
 
-from eps_server.config import OptimizerConfig
-from protocol.tensors import plan_layout
 from worker.config import ModelConfig
-from worker.data import Sharder, build_task
-from worker.executor import Executor
-from worker.models import build_model
 
 from .common import check, interleaved, table
-from .local import LocalSource
+from .local import local_executor
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -34,13 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _stepper(mcfg: ModelConfig, a, stop_early: bool):
-    model = build_model(mcfg)
-    layout = plan_layout(model.manifest())
-    source = LocalSource(model, layout, OptimizerConfig(lr=1e-3))
-    sharder = Sharder(build_task(build_model(mcfg)), a.micro_batch_size, a.micro_batches)
-    ex = Executor(model, layout, source, sharder, device=torch.device("cpu"),
-                  micro_batches=range(a.micro_batches), steps=10**6, dropout=model.dropout,
-                  seed=mcfg.seed)
+    ex = local_executor(mcfg, micro_batches=a.micro_batches, batch_size=a.micro_batch_size,
+                        steps=10**6)
     if not stop_early:
         ex.lowest = 0
     steps = iter(range(10**6))

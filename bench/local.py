@@ -66,15 +66,22 @@ class LocalSource:
         pass
 
 
-def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
-                           steps: int, warmup: int, lr: float = 1e-3, device="cpu") -> float:
+def local_executor(mcfg: ModelConfig, *, micro_batches: int, batch_size: int, steps: int,
+                   lr: float = 1e-3, device="cpu") -> Executor:
+    """The L2L executor of ``mcfg``'s model against a LocalSource, for ``steps`` steps."""
     model = build_model(mcfg)
     layout = plan_layout(model.manifest())
     source = LocalSource(model, layout, OptimizerConfig(lr=lr), device)
     sharder = Sharder(build_task(build_model(mcfg)), batch_size, micro_batches)
-    ex = Executor(model, layout, source, sharder, device=torch.device(device),
-                  micro_batches=range(micro_batches), steps=warmup + steps,
-                  dropout=model.dropout, seed=mcfg.seed)
+    return Executor(model, layout, source, sharder, device=torch.device(device),
+                    micro_batches=range(micro_batches), steps=steps, dropout=model.dropout,
+                    seed=mcfg.seed)
+
+
+def local_l2l_step_seconds(mcfg: ModelConfig, *, micro_batches: int, batch_size: int,
+                           steps: int, warmup: int, lr: float = 1e-3, device="cpu") -> float:
+    ex = local_executor(mcfg, micro_batches=micro_batches, batch_size=batch_size,
+                        steps=warmup + steps, lr=lr, device=device)
     return timed_steps(ex.run_step, steps, warmup, device)
 
 

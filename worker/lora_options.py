@@ -168,11 +168,12 @@ def resolve(cfg) -> None:
             raise ValueError(f"its init_lora_weights ({config['init_lora_weights']!r}) rewrites "
                              "the base weights as PEFT loads it: convert it to a plain LoRA "
                              "adapter first (PEFT's path_initial_model_for_weight_conversion)")
+        targets, layers = _targets(config)
         want = {"lora_rank": int(config.get("r", 8)),
                 "lora_alpha": float(config.get("lora_alpha", 8)),
                 "lora_rslora": bool(config.get("use_rslora")),
                 "lora_dora": bool(config.get("use_dora")),
-                "lora_targets": _targets(config)[0], "lora_layers": _targets(config)[1],
+                "lora_targets": targets, "lora_layers": layers,
                 "lora_target_parameters": ",".join(_names(
                     config.get("target_parameters") or [], "target_parameters")),
                 "lora_modules_to_save": _saved(config.get("modules_to_save")),
