@@ -10,8 +10,9 @@ checksum for every file).
 
 A checkpoint is written under a temporary name (files fsynced), renamed into place, and only
 then made ``latest``; the oldest beyond ``keep`` are removed after that. A root that holds
-anything but checkpoints is refused, never written into. One process at a time writes a root
-(an flock on its ``.lock``): a serving EPS holds its --server-save from the start.
+anything but checkpoints, or checkpoints of another model, is refused, never written into. One
+process at a time writes a root (an flock on its ``.lock``): a serving EPS holds its
+--server-save from the start.
 """
 
 from __future__ import annotations
@@ -60,16 +61,42 @@ def check_target(root: str) -> None:
                          "not writing into it")
 
 
-def check_writable(root: str) -> None:
+def check_model(root: str, manifest_hash: str) -> None:
+    """Raise ValueError if ``root`` holds a checkpoint of another model than ``manifest_hash``:
+    writing there would prune it (``keep``) and point ``latest`` at another model."""
+    root = os.path.abspath(root)
+    try:
+        names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    except OSError:
+        return  # (check_writable says why it cannot be read)
+    for name in names:
+        state = os.path.join(root, name, "state.json")
+        if not name.startswith(layout_on_disk.PREFIX) or not os.path.isfile(state):
+            continue
+        try:
+            with open(state) as f:
+                theirs = json.load(f).get("manifest_hash")
+        except (OSError, ValueError, AttributeError):
+            continue  # not readable: not known to be another model's (loading it says why)
+        if theirs != manifest_hash:
+            raise ValueError(
+                f"{root} holds checkpoints of another model ({name}: manifest "
+                f"{str(theirs)[:19]}, this job's is {manifest_hash[:19]}); writing there would "
+                "remove them: choose another folder")
+
+
+def check_writable(root: str, manifest_hash: str | None = None) -> None:
     """``check_target``, and this process can write there: ``root`` is made (if need be) and
     its lock taken and let go now, so that a path the EPS cannot write (read-only, under
     /proc, a busy root) is refused when asked for, with the reason, rather than failing at
-    the step boundary. ValueError if not."""
+    the step boundary; with ``manifest_hash``, also ``check_model``. ValueError if not."""
     try:
         with _holding(os.path.abspath(root)):
             pass
     except OSError as e:
         raise ValueError(str(e)) from None
+    if manifest_hash is not None:
+        check_model(root, manifest_hash)
 
 
 def _lock(root: str) -> int | None:
@@ -143,6 +170,7 @@ def save(root: str, store, optimizers, extra: dict, keep: int = 1, boxes=None) -
     the others parked) as a new checkpoint under ``root``; returns its directory. In shard
     mode every box calls this at the same boundary (``boxes``: its CrossBox; shard_save.py)."""
     root = os.path.abspath(root)
+    check_model(root, store.manifest_hash)  # (every path: l2l-ctl save, --server-save)
     if store.sharding is not None:
         from .shard_save import save_shards  # (box 0 holds the root; the others write in it)
 

@@ -331,7 +331,7 @@ class EpsCore:
         check_control(self.cfg, identity in self.peers)
         check_one_box(self.cfg, "save")
         try:  # a path this process cannot write is refused now, with the OS's reason
-            checkpoint.check_writable(msg.path)
+            checkpoint.check_writable(msg.path, self.store.manifest_hash)
         except ValueError as e:
             raise RequestError("bad_request", str(e), "path") from None
         if not self.store.initialised:

@@ -46,6 +46,8 @@ MAX_OBSERVERS = 256  # control clients remembered before the model exists
 
 def create_core(cfg: ServerConfig, manifest: Manifest, run_id: str, **kw) -> EpsCore:
     """A core for a new model: every region, or none (e.g. shared memory full)."""
+    if cfg.save:  # (ValueError: refused before any region, before training)
+        checkpoint.check_model(cfg.save, manifest.hash())
     store = LayerStore(manifest, run_id, cfg.compute_dtype, retain=cfg.recovery,
                        sharding=cfg.boxes.sharding)
     try:

@@ -25,7 +25,7 @@ from launch.config import LaunchArgs
 from protocol import cli
 from protocol.checkpoints import CHECKSUMS, LATEST, resolve
 from protocol.messages import Ack, Save
-from protocol.tensors import views
+from protocol.tensors import LayerSpec, Manifest, TensorSpec, views
 from worker.export import main as export_main
 
 from .helpers import ENV, SMALL
@@ -115,6 +115,39 @@ def test_a_checkpoint_folder_has_one_writer_and_is_checked_before_training(train
     out = server("/proc/1/ckpt")
     assert out.returncode == 2 and "cannot write checkpoints to /proc/1/ckpt" in out.stderr, \
         out.stderr
+
+
+def test_a_folder_of_another_models_checkpoints_is_refused_not_pruned(trained, tmp_path):
+    """Writing into a root of another model's checkpoints would prune them (``keep``) and point
+    its ``latest`` at this model: refused by every path (a direct save, ``l2l-ctl save``, a
+    ``--server-save`` given at start), the root left as it was."""
+    from .test_core import Harness
+
+    root = tmp_path / "theirs"
+    other = Manifest(layers=tuple(LayerSpec(name=f"l{i}", kind="k", tensors=(
+        TensorSpec(name="w", shape=(5,)),)) for i in range(3)), meta={"model": "another"})
+    h = Harness(1, manifest=other)
+    try:
+        h.bootstrap()
+        save(h, root)
+    finally:
+        h.close()
+    before = sorted(os.listdir(root))
+    with pytest.raises(ValueError, match=f"{root} holds checkpoints of another model"):
+        save(trained, root)
+    trained.send(0, Save(req_id=7, path=str(root)))
+    refused = trained.take(0, 7).msg
+    assert refused.code == "bad_request" and "another model" in refused.message, refused
+    late = Harness(1, save=str(root))  # --server-save
+    try:
+        refused = late.hello(0)
+        assert refused.code == "bad_request" and "another model" in refused.message, refused
+        assert late.core is None
+    finally:
+        late.close()
+    assert sorted(os.listdir(root)) == before
+    assert checkpoint.read_meta(str(root)).manifest == other
+    assert save(trained, tmp_path / "ours") and save(trained, tmp_path / "ours")  # its own
 
 
 def test_a_root_without_latest_resolves_to_its_newest_checkpoint(tmp_path):
