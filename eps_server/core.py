@@ -54,7 +54,7 @@ from .jobs import Done, Exclusive, Init, Requester, Resolve, Update
 from .layer_store import LayerStore
 from .peers import Peer, Peers, check_control, check_hello, check_model, check_one_box
 from .pool import MathPool
-from .replies import Out, Waiting, error_out
+from .replies import Duplicate, Out, Waiting, error_out
 from .saving import SaveOutcomes
 from .scheduler import UpdateScheduler
 from .stats import EpsStats, model_memory, peak_memory_bytes
@@ -113,14 +113,15 @@ class EpsCore:
             observer = type(msg) is Hello and msg.role == "observer"  # l2l-ctl status
             if self.broken is not None and type(msg) not in (Status, Bye) and not observer:
                 raise RequestError("internal", f"server stopped updating: {self.broken}")
-            if type(msg) not in (Status, Bye):
-                self.waiting.check(peer)
+            self.waiting.check(peer, msg.req_id, bounded=type(msg) not in (Status, Bye))
             outs = (self._hello(peer, msg, key) if type(msg) is Hello
                     else handler(peer, msg, frames))
             outs += self._publish_due()
         except RequestError as e:
             self.stats.busy_refusals += e.code == "busy"
             outs = [error_out(peer, msg.req_id, e.code, str(e), e.field)]
+            if isinstance(e, Duplicate):
+                return outs
         except Exception as e:  # a bug: report it, keep serving
             log.exception("internal error handling %s", type(msg).__name__)
             outs = [error_out(peer, msg.req_id, "internal", f"{type(e).__name__}: {e}")]
@@ -175,11 +176,14 @@ class EpsCore:
 
     def _break(self, why: str, level: int = logging.ERROR) -> list[Out]:
         """An update failed (or a worker was lost for good): stop updating; every waiting
-        Fetch and every held gradient gets an internal Error."""
+        Fetch, every held gradient and every Save waiting for its boundary gets an internal
+        Error."""
         log.log(level, "server stopped updating: %s", why)
         self.broken = why
-        return self.data.fail_waiters(None, "internal", why) + self.data.fail_held("internal",
-                                                                                   why)
+        return (self.data.fail_waiters(None, "internal", why) +
+                self.data.fail_held("internal", why) +
+                [error_out(w.peer, w.req_id, "internal", why)
+                 for w in self.scheduler.abandon_saves()])
 
     # ------------------------------------------------------------------------- handshake
 
@@ -221,12 +225,17 @@ class EpsCore:
         if self.store.retained_region is not None or self.broken is not None:
             return []
         step, pushed = self.data.resume_point(rank)
-        if not pushed and max(self.store.versions) <= step:
+        if not self._mid_step(rank):
             return []
         return self._break(f"rank {rank} left in the middle of step {step} ({len(pushed)} "
                            "of its layers pushed) and this server keeps no previous versions "
                            "(--recovery), so no replacement can redo its part: the job cannot "
                            f"finish; {self.saves.resume_hint()}", level)
+
+    def _mid_step(self, rank: int) -> bool:
+        """``rank`` has pushed part of the step it runs next."""
+        step, pushed = self.data.resume_point(rank)
+        return bool(pushed) or max(self.store.versions) > step
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
         peer = self.peers.get(identity)
@@ -235,6 +244,11 @@ class EpsCore:
         return [Out(identity, Ack(req_id=msg.req_id))]
 
     def _hello(self, identity: bytes, msg: Hello, key: bytes) -> list[Out]:
+        held = self.peers.get(identity) if identity in self.peers else None
+        if held is not None and held.worker and (msg.role == "observer" or msg.rank not in (
+                held.rank, ANY_RANK)):  # (its rank would vanish unaccounted for)
+            raise RequestError("bad_request", f"this connection is rank {held.rank}: another "
+                               "role or rank needs a connection of its own", "rank")
         if msg.role == "observer":
             check_hello(self.cfg, msg)
             self.peers.register(Peer.observer(identity, msg.pid, key))
@@ -393,8 +407,9 @@ class EpsCore:
         if peer.worker and msg.rank != peer.rank:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
-        self.peers.leave(identity, msg.done)
+        done = msg.done and not (peer.worker and self._mid_step(peer.rank))  # done: all of it
+        self.peers.leave(identity, done)
         outs = self.data.fail_waiters(identity, "bad_request", f"rank {peer.rank} said Bye")
-        if peer.worker and not msg.done:  # a failure, or a job being stopped: a warning
+        if peer.worker and not done:  # a failure, or a job being stopped: a warning
             outs += self._stranded(peer.rank, logging.WARNING)
         return outs + [Out(identity, Ack(req_id=msg.req_id))]

@@ -22,6 +22,11 @@ def error_out(peer: bytes, req_id: int, code: str, message: str, field: str = ""
     return Out(peer, Error(req_id=req_id, code=code, message=message, field=field))
 
 
+class Duplicate(RequestError):
+    """A request numbered as one of its connection's still waiting: its refusal answers only
+    itself, not the waiting one."""
+
+
 class Waiting:
     """Requests of each connection that are answered later (a Fetch for a version not there
     yet, a gradient being reduced, a checkpoint). A connection may have at most ``limit``: a
@@ -31,8 +36,15 @@ class Waiting:
         self.limit = limit
         self._by_peer: dict[bytes, set[int]] = {}
 
-    def check(self, peer: bytes) -> None:
-        if len(self._by_peer.get(peer, ())) >= self.limit:
+    def check(self, peer: bytes, req_id: int, bounded: bool = True) -> None:
+        """Refuse a request numbered as one still waiting, and (``bounded``) one beyond the
+        limit."""
+        waiting = self._by_peer.get(peer, ())
+        if req_id in waiting:  # (counted once, it would let a peer park any number)
+            raise Duplicate("bad_request", f"request {req_id} of this connection is still "
+                               "waiting for its reply: a req_id is reused once answered",
+                               "req_id")
+        if bounded and len(waiting) >= self.limit:
             raise RequestError("busy", f"{self.limit} requests of this connection are waiting "
                                "for their replies; send more once they came")
 

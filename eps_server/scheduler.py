@@ -302,6 +302,15 @@ class UpdateScheduler:
         self._saves.append((path, requester))
         self._begin_save()
 
+    def abandon_saves(self) -> list[Requester]:
+        """The server broke: the boundary the Saves not yet being written wait for never
+        comes. They are dropped; their requesters (to be told why) are returned."""
+        writing = [self._saves.popleft()] if self._writing else []
+        dropped = [who for _, who in self._saves if who is not None]
+        self._saves.clear()
+        self._saves.extend(writing)
+        return dropped
+
     def _begin_save(self) -> None:
         if self._hold_from is not None or not self._saves:
             return

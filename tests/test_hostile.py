@@ -97,6 +97,29 @@ def test_waiting_requests_per_connection_are_bounded(make):
     assert h.core.waiting._by_peer == {h.peer(0): {8}}  # rank 0's push still waits
 
 
+def test_a_req_id_still_waiting_is_not_taken_again(make):
+    """Before: the bound counted distinct req_ids, so 300,000 waiting Fetches all numbered 7
+    were stored (the EPS grew 35 MiB per 100,000). Now a req_id still waiting on its
+    connection is refused; once answered it may be used again."""
+    h = make(2, peer_requests=16)
+    h.bootstrap()
+    h.send(1, Fetch(req_id=7, layer=0, min_version=1))
+    for _ in range(100):
+        h.send(1, Fetch(req_id=7, layer=1, min_version=1))
+        refused = error(h.take(1, 7))
+        assert refused.code == "bad_request" and refused.field == "req_id", refused
+    assert h.take(1, 7) is None  # the first still waits, alone
+    assert [w.request.layer for w in h.core.data.board._waiters if w.peer == h.peer(1)] == [0]
+    h.send(1, Status(req_id=7))  # (its reply answered 7, and the next Fetch 7 was stored)
+    assert error(h.take(1, 7)).field == "req_id"
+    for rank in (0, 1):
+        h.push(rank, 0, 0, grad_of(0, 1.0), 20 + rank)
+    h.poll()
+    assert isinstance(h.take(1, 7).msg, LayerReady)  # answered: 7 is free again
+    h.send(1, Fetch(req_id=7, layer=0, min_version=1))
+    assert isinstance(h.take(1, 7).msg, LayerReady)
+
+
 def test_finite_gradients_whose_sum_overflows_are_refused(make):
     """Before: two finite gradients of 3e38 summed to inf and layer 2 became -inf silently."""
     h = make(2)

@@ -10,6 +10,7 @@ interleaving, and whether the dead process comes back to life and tries to push.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from protocol.messages import (
     Hello,
     LayerReady,
     PushGrad,
+    Save,
     Status,
     Welcome,
     WorkerReport,
@@ -300,6 +302,53 @@ def test_a_rank_that_says_bye_mid_step_without_recovery_tells_the_others(make):
     # what to do next, without pointing at a checkpoint there is none of (a Ctrl-C said so)
     assert "there is no checkpoint to restart it from" in told and "last checkpoint" not in told
     assert isinstance(h.take(1, 6).msg, Ack)
+
+
+@pytest.mark.parametrize("how", ["bye_done", "observer", "other_rank"])
+def test_a_rank_gone_mid_step_by_any_route_tells_the_others(make, how):
+    """A rank that leaves in the middle of its step is lost whatever it says: a Bye claiming
+    it is done is taken as a failure's, and its connection cannot become an observer or another
+    rank (its rank vanished unaccounted for, and the others waited for it forever)."""
+    h = make(3, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    h.send(1, _push(0, 2, 1, 5), _frames(0, 2, 1))
+    h.poll()
+    h.send(0, Fetch(req_id=9, layer=2, min_version=1))
+    if how == "bye_done":
+        h.send(1, Bye(req_id=6, rank=1, done=True))
+        assert isinstance(h.take(1, 6).msg, Ack)
+        assert "rank 1 left in the middle of step 0" in h.take(0, 9).msg.message
+        assert h.core.broken is not None and 1 not in h.core.peers.done_ranks
+        return
+    fields = dict(protocol_version=PROTOCOL_VERSION, world_size=3,
+                  manifest_hash=MANIFEST.hash(), transport="frames", grad_dtype="float32")
+    if how == "observer":
+        h.send(1, Hello(req_id=6, role="observer", **fields))
+    else:
+        h.send(1, Bye(req_id=4, rank=2, done=False), peer=Harness.peer(2))  # rank 2 is free
+        h.take(2, 4)
+        h.send(1, Hello(req_id=6, rank=2, **fields))
+    refused = error(h.take(1, 6))
+    assert refused.code == "bad_request" and "this connection is rank 1" in refused.message
+    assert 1 in h.core.peers.ranks() and h.core.broken is None  # still rank 1, still awaited
+
+
+def test_a_save_waiting_for_its_boundary_is_told_when_the_server_breaks(make, tmp_path):
+    """The boundary a Save waits for never comes once a rank is lost mid-step: its requester
+    gets an internal Error (l2l-ctl save waited out its hour-long timeout)."""
+    h = make(2, heartbeat_timeout=TIMEOUT)
+    h.bootstrap()
+    for rank, rid in ((0, 5), (1, 6)):
+        h.send(rank, _push(0, 2, rank, rid), _frames(0, 2, rank))
+    h.poll()
+    assert h.core.store.versions == [0, 0, 1]
+    h.send(0, Save(req_id=20, path=str(tmp_path / "ckpt")))  # waits for every layer at 1
+    h.poll()
+    assert h.take(0, 20) is None
+    h.send(1, Bye(req_id=7, rank=1, done=False))
+    told = error(h.take(0, 20))
+    assert told.code == "internal" and "rank 1 left in the middle of step 0" in told.message
+    assert os.listdir(tmp_path / "ckpt") == [".lock"]  # (made by the Save's check) no step
 
 
 def test_a_rank_that_leaves_between_steps_leaves_no_one_stranded(make):
