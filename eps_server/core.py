@@ -23,47 +23,42 @@ from protocol.messages import (
     ANY_RANK,
     PROTOCOL_VERSION,
     Ack,
-    ArenaReady,
     Bye,
     Fetch,
     Heartbeat,
     Hello,
-    HyperAck,
     InitLayer,
     Message,
     PushGrad,
-    RegionInfo,
     Save,
     SetHyper,
     StashArena,
     Status,
-    StatusReply,
     Welcome,
-    WorkerInfo,
 )
 from protocol.trace import NULL, Tracer
 
-from . import checkpoint
 from .boxes import CrossBox
 from .buffers import BufferPool
-from .config import ServerConfig, with_changes
+from .config import ServerConfig
+from .control import ControlRequests
 from .dataplane import DataPlane
 from .engines import Engines, layer_maths
 from .errors import RequestError
 from .jobs import Done, Exclusive, Init, Requester, Resolve, Update
 from .layer_store import LayerStore
-from .peers import Peer, Peers, check_control, check_hello, check_model, check_one_box
+from .peers import Peer, Peers, check_hello, check_model
 from .pool import MathPool
 from .replies import Duplicate, Out, Waiting, error_out
 from .saving import SaveOutcomes
 from .scheduler import UpdateScheduler
-from .stats import EpsStats, model_memory, peak_memory_bytes
+from .stats import EpsStats, peak_memory_bytes
 from .transports import initial_values, make_transport
 
 log = logging.getLogger("eps_server")
 
 
-class EpsCore:
+class EpsCore(ControlRequests):
     def __init__(self, cfg: ServerConfig, store: LayerStore, *, run_id: str,
                  initialiser: int | None = None, stats: EpsStats | None = None,
                  wake: Callable[[], None] = lambda: None, inline: bool = False,
@@ -338,67 +333,6 @@ class EpsCore:
             for p in due:
                 outs += self.data.publish(p.layer, p.version)
         return outs
-
-    # ------------------------------------------------------------------------- control
-
-    def _save(self, identity: bytes, msg: Save, frames) -> list[Out]:
-        check_control(self.cfg, identity in self.peers)
-        check_one_box(self.cfg, "save")
-        try:  # a path this process cannot write is refused now, with the OS's reason
-            checkpoint.check_writable(msg.path, self.store.manifest_hash)
-        except ValueError as e:
-            raise RequestError("bad_request", str(e), "path") from None
-        if not self.store.initialised:
-            raise RequestError("not_ready", "nothing to save: the model is not initialised")
-        self.scheduler.request_save(msg.path, Requester(identity, msg.req_id))
-        return []
-
-    def _set_hyper(self, identity: bytes, msg: SetHyper, frames) -> list[Out]:
-        check_control(self.cfg, identity in self.peers)
-        check_one_box(self.cfg, "change hyperparameters")
-        try:
-            self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
-        except (ValueError, TypeError) as e:
-            raise RequestError("bad_request", str(e), "changes") from None
-        log.info("hyperparameters changed: %s", msg.changes)  # used from the next update
-        return [Out(identity, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))]
-
-    def _stash_arena(self, identity: bytes, msg: StashArena, frames) -> list[Out]:
-        peer = self.peers.worker(identity)
-        try:
-            region = self.store.stash_region(peer.rank, msg.nbytes)
-        except OSError as e:
-            raise RequestError("resource", f"cannot allocate a stash arena of {msg.nbytes} "
-                               f"bytes: {e}", "nbytes") from None
-        log.info("stash arena of %.1f MiB for rank %d", msg.nbytes / 2**20, peer.rank)
-        return [Out(identity, ArenaReady(req_id=msg.req_id, region=RegionInfo(
-            name=region.name, nbytes=region.nbytes, dtype="uint8")))]
-
-    def status_stats(self) -> dict:
-        stats = {**self.stats.snapshot(), **peak_memory_bytes(), "lr": self.cfg.optimizer.lr,
-                 "lr_now": self.cfg.optimizer.lr_at(max(self.store.step, 0)),
-                 "params": self.store.manifest.num_params,
-                 "loss_scale": self.scheduler.scaler.scale,
-                 **model_memory(self.store, [m.optimizer for m in self.engines.layers],
-                                self.buffers, self._rss_before)}
-        if self.engines.boxes is not None:  # engine time in cross-box collectives
-            stats.update(self.engines.boxes.stats())
-        if self.broken:
-            stats["broken"] = self.broken
-        return stats
-
-    def _status(self, identity: bytes, msg: Status, frames) -> list[Out]:
-        now = self.peers.clock()
-        workers = tuple(WorkerInfo(rank=p.rank, pid=p.pid, host=p.host,
-                                   step=self.data.resume_point(p.rank)[0],
-                                   silent=round(now - p.last_seen, 3), report=p.report)
-                        for p in sorted(self.peers.snapshot(), key=lambda p: p.rank) if p.worker)
-        return [Out(identity, StatusReply(
-            req_id=msg.req_id, run_id=self.run_id, step=max(self.store.step, 0),
-            versions=tuple(self.store.versions), world_size=self.cfg.world_size,
-            ranks=self.peers.ranks(), stats=self.status_stats(), workers=workers,
-            updated_ms=tuple(int(1000 * (now - t)) if t is not None else -1
-                             for t in self.data.published_at)))]
 
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
         if identity not in self.peers and self.peers.late_bye(identity, msg.rank, msg.done):
