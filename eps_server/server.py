@@ -74,6 +74,7 @@ class EpsServer:
         self._dropping: set[bytes] = set()  # peers whose replies could not be sent
         self._inbox = Inbox()  # the peers' backlogs, the decoder thread
         self._readers: set[asyncio.Task] = set()  # the tasks reading the peers' backlogs
+        self._creating: asyncio.Future | None = None  # the lobby's thread making the model
         self._bad_log = Throttled()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -147,6 +148,10 @@ class EpsServer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._creating is not None:  # its reader was cancelled, not the thread
+                made = (await asyncio.gather(self._creating, return_exceptions=True))[0]
+                if isinstance(made, tuple) and made[0] is not None and made[0] is not self.core:
+                    made[0].close(final_save=False)  # created while stopping: undone
             self._inbox.close()
             core, self.core = self.core, None  # taken on the loop: no poll touches it again
             if self._poller is not None:
@@ -292,8 +297,10 @@ class EpsServer:
         async with self._lobby:  # creating a model (shared memory) takes time: off the loop
             if self.core is not None:
                 return self.core.handle(identity, msg, tensor_frames, key)
-            core, outs = await asyncio.to_thread(self.lobby.handle, identity, msg,
-                                                 tensor_frames, key)
+            self._creating = asyncio.ensure_future(asyncio.to_thread(
+                self.lobby.handle, identity, msg, tensor_frames, key))
+            core, outs = await asyncio.shield(self._creating)  # (a stop: the model is undone)
+            self._creating = None
         if core is not None and self._stop.is_set():  # created while stopping: undo
             core.close(final_save=False)
         else:
