@@ -560,6 +560,18 @@ def test_a_worker_the_eps_saw_exit_is_reported_by_its_exit_status(tmp_path, caps
         console.close()
 
 
+def test_a_checkpoint_of_another_model_fails_the_job_without_spending_restarts(tmp_path):
+    """Each worker the EPS refuses as another model (manifest_mismatch) exited with status 1,
+    and --max-restarts 3 started each 3 times more to be refused again."""
+    p, _, _ = launch(tmp_path, "--workers", "1", "--steps", "1", *SMALL, "--server-save", "ck")
+    assert p.returncode == 0, p.stderr
+    other = [("64" if a == "32" else a) for a in SMALL]  # --hidden 64
+    p, summary, _ = launch(tmp_path, "--workers", "2", "--steps", "2", *other, "--load", "ck",
+                           "--max-restarts", "3")
+    assert p.returncode != 0 and "manifest_mismatch" in p.stderr, p.stderr
+    assert "restarting" not in p.stderr and not summary["restarts"], p.stderr
+
+
 def test_a_missing_model_directory_or_data_file_is_refused_before_anything_starts(tmp_path):
     """Each worker found a wrong --model hf:PATH or --data FILE after its start-up (6-10 s),
     and each said so: the launcher says it once, before it starts anything, exit status 2."""

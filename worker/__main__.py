@@ -18,6 +18,15 @@ from .config import WorkerArgs
 from .eps_client import EpsDisconnected, EpsError
 from .job import LOG_RANK, ModelNotSaved, run_worker
 
+# The EPS's refusals of the job itself (another model or protocol than it holds): a restarted
+# worker would meet them again.
+PERMANENT = ("manifest_mismatch", "protocol_version")
+
+
+def refused_for_good(e: Exception) -> bool:
+    return isinstance(e, ModelNotSaved) or isinstance(e, EpsError) and (
+        e.code in PERMANENT or e.code == "bad_request" and e.field == "manifest")
+
 
 def parse(argv: list[str] | None = None) -> WorkerArgs:
     return cli.parse(WorkerArgs, argv, "l2l-worker", __doc__.split("\n")[0])
@@ -47,7 +56,7 @@ def run(args: WorkerArgs) -> int:
     except (EpsError, EpsDisconnected, TimeoutError, ValueError, ModelNotSaved) as e:
         log = logging.getLogger("l2l_worker")
         log.error("%s", e, exc_info=log.isEnabledFor(logging.DEBUG))
-        return REFUSED if isinstance(e, ModelNotSaved) else 1  # (a restart would not help)
+        return REFUSED if refused_for_good(e) else 1  # (a restart would not help)
     finally:
         # Done: nothing is left to unwind, and a SIGTERM now (a launcher stopping the job as
         # this worker exits) would raise inside the interpreter's exit handlers: a traceback
