@@ -96,7 +96,7 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
             pass
     # Per step, from the workers' events (a restarted worker's own summary covers only its
     # part of the run).
-    progress = sorted(launcher.progress, key=lambda p: p["step"])
+    progress = sorted(launcher.reports.rows, key=lambda p: p["step"])
     losses = [p["loss"] for p in progress]
     accuracy = [p["accuracy"] for p in progress]
     samples = sum(w["samples"] for w in ranks)
@@ -126,7 +126,7 @@ def summarize(args: LaunchArgs, launcher: Launcher, code: int, elapsed: float) -
         "config": cli.to_dict(args),
         "model": model_summary(args.model, launcher.eps_stats),
         "save": os.path.abspath(args.launch.save) if args.launch.save and code == 0 else None,
-        "eval": launcher.evals,
+        "eval": launcher.reports.evals,
         "restarts": [{k: v for k, v in r.items() if not k.startswith("_")}
                      for r in launcher.restarts],
         "eps": launcher.eps_stats,

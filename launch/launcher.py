@@ -36,7 +36,8 @@ from protocol.shm import unlink_run
 
 from .children import Child, reaped, signal_group, stop
 from .console import Console
-from .results import checkpoint_failure, eval_line, eval_result, step_row
+from .reports import Reports
+from .results import checkpoint_failure, eval_line
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
@@ -62,10 +63,7 @@ class Launcher:
         self.workers: dict[int, Child] = {}
         self.server: Child | None = None
         self._lost: list[events.PeerLost] = []
-        self.events: dict[int, dict[int, events.StepDone]] = {}  # step -> rank -> event
-        self.progress: list[dict] = []
-        self.eval_parts: dict[int, dict[int, events.EvalDone]] = {}  # step -> rank -> part
-        self.evals: list[dict] = []
+        self.reports = Reports(len(worker_argvs), boxes)  # the steps' rows, the evaluations
         self._ready = threading.Event()
         self._ready_step = 0  # the step the EPS serves from (Ready: a resumed checkpoint's)
         self._lock = threading.Lock()
@@ -141,26 +139,12 @@ class Launcher:
             self.console.note(checkpoint_failure(ev, self.checkpoint_errors))
 
     def _on_step(self, ev: events.StepDone) -> None:
-        with self._lock:
-            by_rank = self.events.setdefault(ev.step, {})
-            if len(by_rank) == len(self.worker_argvs):
-                return  # reported already (a rank that redid the step counts once)
-            by_rank[ev.rank] = ev
-            if len(by_rank) != len(self.worker_argvs):
-                return
-            row = step_row(ev.step, list(by_rank.values()), self.boxes)
-            self.progress.append(row)
-        self.console.step(row)
+        for row in self.reports.step(ev):
+            self.console.step(row)
 
     def _on_eval(self, ev: events.EvalDone) -> None:
-        with self._lock:
-            parts = self.eval_parts.setdefault(ev.step, {})
-            parts[ev.rank] = ev
-            if len(parts) != len(self.worker_argvs):
-                return
-            result = eval_result(ev.step, list(parts.values())) | {"objective": ev.objective}
-            self.evals.append(result)
-        self.console.note(eval_line(result), err=False)
+        if (result := self.reports.evaluation(ev)) is not None:
+            self.console.note(eval_line(result), err=False)
 
     # ------------------------------------------------------------------------- run
 
@@ -189,6 +173,8 @@ class Launcher:
         raise KeyboardInterrupt
 
     def _on_joined(self, ev: events.Joined) -> None:
+        for row in self.reports.joined(ev):  # steps its predecessor trained, unreported
+            self.console.step(row)
         with self._lock:
             pending = [r for r in self.restarts if r.get("rank") == ev.rank
                        and "rejoined_after" not in r]
@@ -239,11 +225,6 @@ class Launcher:
             f"{what}; no restarts left (--max-restarts {self.max_restarts})"
         return False
 
-    def _completed(self) -> int:
-        """Steps every worker has reported."""
-        n = len(self.worker_argvs)
-        return max((s + 1 for s, by_rank in self.events.items() if len(by_rank) == n),
-                   default=0)
 
     def _run(self) -> int:
         if not self._start_job() and not (self._died_starting() and
@@ -344,7 +325,7 @@ class Launcher:
             self.restarts.append({
                 "rank": r, "cause": f"hung: declared dead after {w.hung:.1f} s without a "
                 "message" if w.hung is not None else exit_status(code),
-                "detected_after": round(w.hung or 0.0, 3), "steps_done": self._completed(),
+                "detected_after": round(w.hung or 0.0, 3), "steps_done": self.reports.completed(),
                 "_t": time.monotonic()})
             self.console.note(f"l2l-launch: {what}; restarting rank {r} "
                               f"({len(self.restarts)}/{self.max_restarts})")
@@ -357,8 +338,9 @@ class Launcher:
         self.stop_all()
         found = latest(self.checkpoints) if self.checkpoints else None
         step = found[1] if found and stamp(self.checkpoints) != self._foreign else None
-        done = self._completed()
-        start = self._replay_from(step if step is not None else min(self.events, default=0))
+        done = self.reports.completed()
+        start = self.reports.replay_from(step if step is not None
+                                         else min(self.reports.steps, default=0))
         self.restarts.append({"rank": None, "cause": what, "detected_after": 0.0,
                               "steps_done": done, "checkpoint_step": step,
                               "steps_replayed": max(0, done - start)})
@@ -371,20 +353,11 @@ class Launcher:
         if not self._start_job(extra, replacement=True):
             return False
         if step is not None and self._ready_step < step:  # the boxes agreed on an older one
-            start = self._replay_from(self._ready_step)
+            start = self.reports.replay_from(self._ready_step)
             self.restarts[-1].update(checkpoint_step=start, steps_replayed=max(0, done - start))
             self.console.note(f"l2l-launch: the boxes resume from step {start}, the newest "
                               "checkpoint every box holds")
         return True
-
-    def _replay_from(self, start: int) -> int:
-        """Steps from ``start`` on are trained (and reported) again: their rows go."""
-        with self._lock:
-            self.events = {s: e for s, e in self.events.items() if s < start}
-            self.progress = [p for p in self.progress if p["step"] < start]
-            self.eval_parts = {s: e for s, e in self.eval_parts.items() if s <= start}
-            self.evals = [e for e in self.evals if e["step"] <= start]
-        return start
 
     def stop_all(self) -> None:
         """Stop every child still running (children.stop), then remove what the run left in

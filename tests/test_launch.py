@@ -362,11 +362,12 @@ def test_a_restart_from_an_older_step_than_the_box_s_latest_trims_the_rows_to_it
     (root / "step-00000004").mkdir()
     (root / "step-00000004" / "state.json").write_text('{"step": 4}')
     (root / "latest").write_text("step-00000004")
-    job.events = {s: {} for s in range(6)}  # (no workers: every step is complete)
-    job.progress = [{"step": s} for s in range(6)]
+    job.reports.steps = {s: {} for s in range(6)}  # (no workers: every step is complete)
+    job.reports.rows = [{"step": s} for s in range(6)]
     try:
         assert job._restart_job("box 1 was lost")
-        assert sorted(job.events) == [0, 1] and [p["step"] for p in job.progress] == [0, 1]
+        assert sorted(job.reports.steps) == [0, 1]
+        assert [p["step"] for p in job.reports.rows] == [0, 1]
         assert job.restarts[-1] | {"cause": None} == {
             "rank": None, "cause": None, "detected_after": 0.0, "steps_done": 6,
             "checkpoint_step": 2, "steps_replayed": 4}

@@ -67,6 +67,26 @@ def test_a_killed_worker_is_replaced_and_the_run_is_exact(tmp_path, reference, f
     assert weights == reference(update), "the recovered run's weights differ"
 
 
+@pytest.mark.parametrize("point", ["P", "E"])
+def test_a_worker_killed_before_it_reports_leaves_no_hole_in_the_results(tmp_path, point):
+    """Killed once every push of step 1 was in but before reporting it (P), the step had no
+    row (the summary said 3 steps of 4); killed before its evaluation after step 1 (E), its
+    replacement (resuming at step 2) did not evaluate, and that evaluation was lost."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for name, n in (("train.bin", 20_000), ("eval.bin", 2_000)):
+        rng.integers(0, 64, n).astype(np.uint16).tofile(tmp_path / name)
+    p, s, _ = launch(tmp_path, *JOB, "--model", "gpt", "--data", "train.bin", "--data-format",
+                     "tokens", "--eval-data", "eval.bin", "--eval-every", "2",
+                     "--max-restarts", "1", "--fault", f"1:1:{point}")
+    assert p.returncode == 0, p.stderr
+    [restart] = s["restarts"]
+    assert restart["resumed_step"] == 2 and restart["layers_already_pushed"] == 0, restart
+    assert s["steps"] == STEPS and len(s["losses"]) == STEPS, s
+    assert [e["step"] for e in s["eval"]] == [0, 2, 4], s["eval"]
+
+
 def test_a_hung_worker_is_declared_dead_killed_and_replaced(tmp_path, reference):
     restart, weights = recovered(tmp_path, "1:2:B2:stop")
     assert restart["cause"].startswith("hung: declared dead after")

@@ -306,7 +306,8 @@ class WorkerConfig:
     misses an event wait (worker/streams.py)."""
     fault: str = ""
     """Testing: RANK:STEP:POINT[:stop] makes rank RANK kill (or stop) itself at POINT of step
-    STEP (F<l>, H<l>, B<l>: a visit of layer l; E: after the step); see worker/faults.py."""
+    STEP (F<l>, H<l>, B<l>: a visit of layer l; P: pushed, not reported; E: after the step);
+    see worker/faults.py."""
     save: str = ""
     """Rank 0 writes the trained model here: a built-in model or your own as one safetensors
     file (the assembled nn.Module's names), an hf: model as a save_pretrained directory

@@ -3,8 +3,9 @@ rank RANK kill itself with SIGKILL (or stop itself with SIGSTOP, a hung process)
 reaches POINT of step STEP; other ranks ignore it (l2l-launch passes one config to all).
 
 POINT is a visit of the L2L loop, named as in traces: F<l> (forward visit of layer l), H<l>
-(the head's forward and backward), B<l> (backward visit of layer l), or E (between steps: every
-push of the step acknowledged and the step reported). A worker that rejoins (a
+(the head's forward and backward), B<l> (backward visit of layer l), P (every push of the step
+acknowledged, the step not yet reported) or E (between steps: the step reported, an evaluation
+due after it not yet run). A worker that rejoins (a
 replacement: l2l-launch's, or a restarted container running the same command) ignores it.
 
 ``--cuda-delay POINT:US[,...]`` (``parse_delays``) slows a CUDA stream instead of the process:
@@ -18,7 +19,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-_SPEC = re.compile(r"^(\d+):(\d+):([FHB]\d+|E)(?::(kill|stop))?$")
+_SPEC = re.compile(r"^(\d+):(\d+):([FHB]\d+|[PE])(?::(kill|stop))?$")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Fault:
         m = _SPEC.match(text)
         if m is None:
             raise ValueError(f"fault must be RANK:STEP:POINT[:kill|stop] with POINT F<l>, H<l>, "
-                             f"B<l> or E, got {text!r}")
+                             f"B<l>, P or E, got {text!r}")
         fault = cls(int(m.group(1)), int(m.group(2)), m.group(3),
                     signal.SIGSTOP if m.group(4) == "stop" else signal.SIGKILL)
         return fault if rank is None or rank == fault.rank else None

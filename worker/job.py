@@ -269,11 +269,12 @@ class WorkerJob:
         cfg, welcome = self.cfg, self.welcome
         t_start = time.perf_counter()
         samples, seconds = 0, 0.0  # of this worker's steps
-        if self.evalset is not None and not welcome.rejoined:  # (a replacement: the others did)
+        if self.evalset is not None and self._evaluates_first():
             self.evaluate(welcome.step)  # before training (on resume: where it stands)
         for step in range(welcome.step, cfg.steps):
             r = self.executor.run_step(step, frozenset(welcome.pushed) if step == welcome.step
                                        else frozenset())
+            self.executor.point(step, "P")
             self.results.append(r)
             samples, seconds = samples + r.samples, seconds + r.seconds
             try:
@@ -291,6 +292,14 @@ class WorkerJob:
                 self.evaluate(step + 1)
         self.elapsed = time.perf_counter() - t_start - self.eval_seconds
         self.peak = self.memory.value()
+
+    def _evaluates_first(self) -> bool:
+        """Every worker evaluates where the job starts (or resumes). A replacement redoes the
+        evaluation its predecessor may have died in: one due where it resumes, if nothing of
+        that step was pushed (which comes after it); a part sent twice counts once."""
+        w, every = self.welcome, self.args.data.eval_every
+        return not w.rejoined or not w.pushed and (
+            w.step in (0, self.cfg.steps) or bool(every) and w.step % every == 0)
 
     def evaluate(self, version: int) -> None:
         t0 = time.perf_counter()
