@@ -56,7 +56,11 @@ def check_target(root: str) -> None:
         return
     if not os.path.isdir(root):
         raise ValueError(f"{root} exists and is not a directory; not overwriting it")
-    if [n for n in os.listdir(root) if not _ours(n)] and not layout_on_disk.is_root(root):
+    try:
+        entries = os.listdir(root)
+    except OSError as e:  # (unreadable: /proc/1/map_files, a folder of another user)
+        raise ValueError(f"cannot read {root}: {e.strerror}") from None
+    if [n for n in entries if not _ours(n)] and not layout_on_disk.is_root(root):
         raise ValueError(f"{root} is a non-empty directory that is not a checkpoint root; "
                          "not writing into it")
 

@@ -59,10 +59,18 @@ def job_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
                         f"{LaunchConfig.runs_dir})")
 
 
+def seconds(text: str) -> float:
+    """A time in seconds: positive and finite."""
+    value = float(text)
+    if not 0 < value < 1e9:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="l2l-ctl", description=__doc__.split("\n")[0])
     job_options(p)
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=seconds, default=10.0,
                    help="seconds to wait for a reply (default: %(default)s)")
     p.add_argument("--curve-server-key", default="", help="CURVE: the EPS's public key file")
     p.add_argument("--curve-key", default="", help="CURVE: this client's secret key file")
@@ -70,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="the job, its workers and its layers")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    st.add_argument("--interval", type=float, default=1.0,
+    st.add_argument("--interval", type=seconds, default=1.0,
                     help="seconds between redraws (default: %(default)s)")
     s = sub.add_parser("set", help="change optimizer settings from the next layer update, "
                        "e.g. lr=1e-4 clip_norm=1.0")
@@ -140,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             client.wait(client.request(Save, path=os.path.abspath(a.path)), timeout=3600)
             out = {"saved": a.path}
         client.bye(0, done=False)  # an observer leaves (else it is dropped after the timeout)
-    except (EpsError, EpsDisconnected, TimeoutError, ValueError) as e:
-        print(f"l2l-ctl: {e}", file=sys.stderr)
+    except (EpsError, EpsDisconnected, TimeoutError, ValueError, OverflowError) as e:
+        print(f"l2l-ctl: {e}", file=sys.stderr)  # (OverflowError: a value msgpack cannot carry)
         return 1
     finally:
         client.close()

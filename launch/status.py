@@ -13,7 +13,9 @@ import time
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 MAX_LAYER_ROWS = 24  # the rest are summarised in one line
 
@@ -32,7 +34,7 @@ def render(r) -> Group:
     head = Table.grid(padding=(0, 2))
     mem = s.get("vmrss_bytes", 0) / 2**20
     shm = s.get("rssshmem_bytes", 0) / 2**20
-    head.add_row(f"run [bold]{r.run_id}[/]", f"step [bold]{r.step}[/]",
+    head.add_row(f"run [bold]{escape(r.run_id)}[/]", f"step [bold]{r.step}[/]",
                  f"workers {len(r.ranks)}/{r.world_size}",
                  f"lr {s.get('lr_now', s.get('lr', 0)):.3g}",
                  f"loss scale {s.get('loss_scale', 1):g}",
@@ -50,8 +52,8 @@ def render(r) -> Group:
             f"{p.samples_per_sec:,.1f}", f"{p.loss:.4f}", f"{p.step_seconds:.3f} s",
             f"{p.fetch_wait:.3f} / {p.push_wait:.3f} s",
             f"{p.memory / 2**20:,.0f} ({p.peak_memory / 2**20:,.0f}) MiB")
-        workers.add_row(str(w.rank), w.host, str(w.pid), str(w.step), *figures,
-                        f"{w.silent:.1f} s ago")
+        workers.add_row(str(w.rank), Text(w.host), str(w.pid), str(w.step), *figures,
+                        f"{w.silent:.1f} s ago")  # (a host is a peer's words: no markup)
     layers = Table(title="layers", title_justify="left")
     for col in ("layer", "version", "last update"):
         layers.add_column(col, justify="right")
@@ -78,7 +80,7 @@ def box_table(boxes) -> Table:
         t.add_column(col, justify="left" if col in ("host", "state", "group") else "right")
     for b in boxes:
         known = b.age >= 0
-        row = ((b.host, str(b.step), f"{b.step}..{b.newest}", str(b.steps_completed),
+        row = ((Text(b.host), str(b.step), f"{b.step}..{b.newest}", str(b.steps_completed),
                 f"{b.alive} / {b.workers} / {b.world_size}",
                 "-" if b.last_checkpoint < 0 else str(b.last_checkpoint),
                 "[bold red]lost[/]" if b.lost else "ok")

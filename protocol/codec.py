@@ -326,6 +326,8 @@ def _dataclass_from_wire(cls: type, value: Any, path: str) -> Any:
     unknown = set(value) - set(hints)
     if unknown:
         name = sorted(map(str, unknown))[0]
+        if len(name) > 64:  # (a peer's name, echoed in the Error and the log: kept short)
+            name = f"{name[:48]}...({len(name)} characters)"
         raise _err(_join(path, name), "unknown field")
     kwargs = {}
     for f in dataclasses.fields(cls):

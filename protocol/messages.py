@@ -135,6 +135,7 @@ class Hello(Message):
                  f"must be one of {sorted(ITEMSIZES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
         _require(len(self.host) <= 255, "host", "too long")
+        _require(self.host.isprintable(), "host", "must be printable (it is logged and shown)")
         _require(not self.process or IDENTITY.fullmatch(self.process) is not None, "process",
                  "must be boot_id:pidns:pid:start_time")
 

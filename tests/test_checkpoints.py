@@ -170,6 +170,31 @@ def test_only_our_own_hidden_entries_pass_for_an_empty_root(tmp_path):
         checkpoint.check_target(str(tmp_path))
 
 
+def test_a_folder_that_cannot_be_read_is_refused_before_the_model_exists(tmp_path,
+                                                                         monkeypatch):
+    """A Save before the model exists, to a folder the EPS cannot list, got `internal` (a
+    PermissionError's traceback in its log); now `bad_request` on `path`, as with a model."""
+    from .test_core import Harness
+
+    listdir = os.listdir
+
+    def denied(path="."):
+        if str(path) == str(tmp_path / "theirs"):
+            raise PermissionError(13, "Permission denied")
+        return listdir(path)
+
+    (tmp_path / "theirs").mkdir()
+    monkeypatch.setattr(os, "listdir", denied)
+    h = Harness(1)
+    try:
+        h.send(0, Save(req_id=3, path=str(tmp_path / "theirs")))
+        refused = h.take(0, 3).msg
+        assert (refused.code, refused.field) == ("bad_request", "path"), refused
+        assert "cannot read" in refused.message and "Permission denied" in refused.message
+    finally:
+        h.close()
+
+
 def test_a_file_system_without_locks_is_written_unguarded(tmp_path, monkeypatch, caplog):
     import errno
 

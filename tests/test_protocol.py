@@ -64,7 +64,7 @@ def hellos(draw):
                  rank=draw(st.integers(-1, world - 1)), world_size=world,
                  manifest_hash=draw(st.text(max_size=80)), manifest=draw(st.none() | manifests),
                  transport=draw(st.sampled_from(["shm", "frames"])), grad_dtype=draw(dtypes),
-                 pid=draw(small), host=draw(st.text(max_size=30)),
+                 pid=draw(small), host=draw(st.text(max_size=30).filter(str.isprintable)),
                  role=draw(st.sampled_from(["worker", "observer"])))
 
 
@@ -184,11 +184,24 @@ FETCH = dict(req_id=1, layer=0, min_version=0)
                         {"name": "w", "shape": [0]}]}], "meta": {}})],
      "manifest.layers[0].tensors[0]"),
     ([b"\x03", body(req_id=1, code="whatever", message="")], "code"),
+    ([b"\x01", body(req_id=1, protocol_version=1, rank=0, world_size=1, manifest_hash="",
+                    host="box\n2026-11-29 eps-server INFO forged")], "host"),  # (logged)
 ])
 def test_malformed_is_rejected_with_field(frames, field):
     with pytest.raises(codec.DecodeError) as e:
         codec.decode(frames)
     assert e.value.field == field, (e.value.field, str(e.value))
+
+
+def test_a_peers_unknown_field_name_is_echoed_short():
+    """A 1 MiB unknown key went whole into the Error (2 MiB, over the reply limit clients
+    decode) and into every log line of the server: 20 MiB of log in 12 s."""
+    name = "x" * (1 << 20)
+    with pytest.raises(codec.DecodeError) as e:
+        codec.decode([b"\x01", body(req_id=1, protocol_version=1, manifest_hash="",
+                                    **{name: 1})])
+    assert len(str(e.value)) < 200 and len(e.value.field) < 100, str(e.value)[:300]
+    assert "(1048576 characters)" in e.value.field
 
 
 @settings(max_examples=300)

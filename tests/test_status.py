@@ -83,6 +83,27 @@ def test_status_shows_failed_checkpoints():
     assert text.startswith("checkpoints 3 written, last step 4") and "2 failed" in text
 
 
+def test_status_shows_peers_words_as_they_are():
+    """A worker's host name is its own to say: "[/]" made l2l-ctl status fail (rich markup)."""
+    from rich.console import Console
+
+    from launch.status import render
+    from protocol.box_info import BoxInfo
+    from protocol.messages import StatusReply, WorkerInfo
+
+    hosts = ["[/]", "[bold red]not bold", "[link=file:///etc]x[/link]"]
+    reply = StatusReply(req_id=1, run_id="r1", step=0, versions=(0,), world_size=3,
+                        ranks=(0, 1, 2), stats={}, workers=tuple(
+                            WorkerInfo(rank=i, pid=1, host=h, step=0, silent=0.0)
+                            for i, h in enumerate(hosts)),
+                        boxes=tuple(BoxInfo(box=i, state="ok", age=1.0, host=h)
+                                    for i, h in enumerate(hosts[:2])))
+    console = Console(record=True, width=300)
+    console.print(render(reply))
+    text = console.export_text()
+    assert all(h in text for h in hosts), text
+
+
 def test_status_finds_the_launched_job_without_its_endpoint(tmp_path):
     """l2l-launch keeps its (private) endpoint in runs/<id>/endpoint while the job runs:
     l2l-ctl status finds the job there from the same directory, and the file is gone with
