@@ -29,7 +29,7 @@ from .errors import RequestError
 from .jobs import Done, Part, PushTicket, Update
 from .layer_store import LayerStore
 from .peers import Peers
-from .replies import Out, error_out
+from .replies import Copies, Out, error_out
 from .scheduler import UpdateScheduler
 from .stats import EpsStats
 from .versions import VersionBoard, Waiter
@@ -49,6 +49,7 @@ class DataPlane:
         self._held: list[dict[int, Part]] = [{} for _ in range(store.num_layers)]  # by rank
         self.stopped: str | None = None  # why the server stopped updating
         self.published_at: list[float | None] = [None] * store.num_layers  # peers' clock
+        self.copies = Copies()  # master frames made and not yet sent
 
     def check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.store.num_layers:
@@ -65,6 +66,8 @@ class DataPlane:
             raise RequestError("bad_request", "in --eps-mode shard the fp32 master is spread "
                                "over the boxes: export the final checkpoint (--server-save) "
                                "with l2l-export", "which")
+        if msg.which != "compute" and not self.store.whole_master:
+            self.copies.check(identity)  # (each is made for this request: bounded)
         layer, want = msg.layer, msg.min_version
         current = self.store.versions[layer]
         if want > current + 1:
@@ -111,10 +114,12 @@ class DataPlane:
         if store.sharding is None:
             flat[:plan.trainable] = store.master(msg.layer)
         self.stats.bytes_served_frames += flat.numel() * 4
+        frame = flat.view(torch.uint8).numpy()  # (what ZeroMQ holds until it is sent)
+        self.copies.track(identity, frame)
         return Out(identity, LayerReady(
             req_id=msg.req_id, layer=msg.layer, version=version, region="", offset=0,
             nbytes=flat.numel() * 4, dtype="float32",
-            loss_scale=self.scheduler.scaler.scale), [flat.view(torch.uint8).numpy().data])
+            loss_scale=self.scheduler.scaler.scale), [frame.data])
 
     def _layer_ready(self, identity: bytes, msg: Fetch, retained: bool = False) -> Out:
         peer, plan, store = self.peers.get(identity), self.store.plan(msg.layer), self.store

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 from protocol.messages import Error, Message
@@ -65,3 +68,32 @@ class Waiting:
                 if not waiting:
                     del self._by_peer[o.peer]
         return outs
+
+
+class Copies:
+    """Frames made for a peer (a layer's fp32 master assembled from two regions) that ZeroMQ
+    has not let go of yet: a peer asking for them without reading its replies made the server
+    hold one per request (500 Fetches of a 4 MB layer: +2 GB). At most ``limit`` each; more
+    get ``busy``. Released from ZeroMQ's thread: under a lock."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self._by_peer: Counter[bytes] = Counter()
+        self._lock = threading.Lock()
+
+    def check(self, peer: bytes) -> None:
+        if self._by_peer[peer] >= self.limit:
+            raise RequestError("busy", f"{self.limit} copies of layers made for this "
+                               "connection are not yet sent: read them first")
+
+    def track(self, peer: bytes, made) -> None:
+        """``made`` (a tensor in a reply's frame) is counted until it is freed."""
+        with self._lock:
+            self._by_peer[peer] += 1
+        weakref.finalize(made, self._freed, peer)
+
+    def _freed(self, peer: bytes) -> None:
+        with self._lock:
+            self._by_peer[peer] -= 1
+            if self._by_peer[peer] <= 0:
+                del self._by_peer[peer]

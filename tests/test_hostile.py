@@ -120,6 +120,29 @@ def test_a_req_id_still_waiting_is_not_taken_again(make):
     assert isinstance(h.take(1, 7).msg, LayerReady)
 
 
+def test_copies_of_the_master_made_for_a_peer_are_bounded(make):
+    """A layer's master with frozen tensors under bf16 compute is assembled into a new frame per
+    Fetch: 500 unread made the EPS grow 2 GB. At most 8 are held for a peer; more get busy
+    until ZeroMQ lets them go (here: until the test drops the replies)."""
+    import gc
+
+    from .test_core import FROZEN
+
+    h = make(1, manifest=FROZEN, precision="bf16")
+    h.bootstrap()
+    for i in range(12):
+        h.send(0, Fetch(req_id=100 + i, layer=1, min_version=0, which="master"))
+    replies = [h.take(0, 100 + i) for i in range(12)]
+    assert all(isinstance(r.msg, LayerReady) for r in replies[:8])
+    assert {error(r).code for r in replies[8:]} == {"busy"}
+    h.send(0, Fetch(req_id=200, layer=1, min_version=0))  # the served copy: no copy made
+    assert isinstance(h.take(0, 200).msg, LayerReady)
+    del replies
+    gc.collect()
+    h.send(0, Fetch(req_id=201, layer=1, min_version=0, which="master"))
+    assert isinstance(h.take(0, 201).msg, LayerReady)
+
+
 def test_finite_gradients_whose_sum_overflows_are_refused(make):
     """Before: two finite gradients of 3e38 summed to inf and layer 2 became -inf silently."""
     h = make(2)
