@@ -155,12 +155,16 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike,
     (--server-save) written in the model's own format (a Hugging Face directory for an hf:
     model, else safetensors). The model options (``model="bert", layers=4, ...``, or
     ``config``: a job's LaunchArgs, its ModelConfig or its job file, then the options) must
-    describe the checkpoint's model. Returns the checkpoint's step."""
-    from worker.export import export_checkpoint  # loads torch
+    describe the checkpoint's model; as for l2l-export, those the checkpoint records (a
+    launched job's) are the defaults. Returns the checkpoint's step."""
+    from worker.export import export_checkpoint, recorded  # loads torch
 
+    saved = recorded({"export": {"checkpoint": os.fspath(checkpoint)}}).get("model", {})
     if isinstance(config, LaunchArgs):
         config = config.model
     elif isinstance(config, (str, os.PathLike)):
-        config = cli.load_file(os.fspath(config)).get("model", {})
+        config = {**saved, **cli.load_file(os.fspath(config)).get("model", {})}
+    elif config is None:
+        config = saved
     model = _tree(ModelConfig, config, model_options, "export")
     return export_checkpoint(os.fspath(checkpoint), os.fspath(out), model)

@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import re
 import textwrap
 import types
 import typing
@@ -191,6 +192,17 @@ def to_dict(cfg: Any, omit: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def _yaml_loader(yaml):
+    """PyYAML's safe loader, reading 1e-4 as YAML 1.2 does, a float (YAML 1.1's float needs a
+    dot: 1.0e-4; "lr: 1e-4" was a string, refused as one)."""
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+    return Loader
+
+
 def load_file(path: str) -> dict:
     with open(path) as f:
         text = f.read()
@@ -201,7 +213,7 @@ def load_file(path: str) -> dict:
             raise ConfigError(f"{path}: reading YAML needs PyYAML (pip install pyyaml); "
                               "or write the config as JSON") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader(yaml))
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
     else:

@@ -67,6 +67,9 @@ def test_export_writes_what_l2l_export_writes(trained):
     # the job's own config describes the model as well
     l2l.export(d / "ckpt", d / "again.safetensors", config=l2l.config(**JOB))
     assert (d / "again.safetensors").read_bytes() == exported
+    # and, as for l2l-export, the options the checkpoint records (it refused them: defaults)
+    l2l.export(d / "ckpt", d / "recorded.safetensors")
+    assert (d / "recorded.safetensors").read_bytes() == exported
     with pytest.raises(ValueError, match="do not describe the checkpoint's model"):
         l2l.export(d / "ckpt", d / "wrong.safetensors", model="bert", **{**MODEL_KW,
                                                                           "layers": 3})

@@ -68,6 +68,21 @@ def test_config_file_then_flags(tmp_path):
     assert args.model.ffn == 4 * 32  # the dataclass's own defaults still apply
 
 
+def test_yaml_reads_exponents_as_numbers(tmp_path):
+    """deploy/README.md's own `optimizer: {lr: 1e-4}` was refused: YAML 1.1 (PyYAML) reads a
+    float without a dot as a string. Read as YAML 1.2 does; a quoted one stays a string."""
+    path = tmp_path / "job.yaml"
+    path.write_text("server: {precision: bf16, optimizer: {lr: 1e-4, eps: 1E-8, "
+                    "weight_decay: +2.5e-2}}\nworker: {steps: 3}\nmodel: {hidden: 32}\n")
+    args = cli.parse(LaunchArgs, ["--config", str(path)], "t")
+    opt = args.server.optimizer
+    assert (opt.lr, opt.eps, opt.weight_decay) == (1e-4, 1e-8, 0.025)
+    assert cli.load_file(str(path))["model"]["hidden"] == 32
+    path.write_text('server: {optimizer: {lr: "1e-4"}}\n')
+    with pytest.raises(SystemExit):
+        cli.parse(LaunchArgs, ["--config", str(path)], "t")
+
+
 @pytest.mark.parametrize("content, message", [
     ({"model": {"hiden": 3}}, "model.hiden: unknown key; did you mean hidden?"),
     ({"model": {"layers": "three"}}, "model.layers: expected int"),

@@ -306,3 +306,25 @@ def test_layer_drop_equals_a_resident_model_skipping_the_same_blocks():
                               skips=lambda step: skips[step])
         assert_close(got, want)
     assert any(len(s) == 4 for s in skips.values())
+
+
+def test_your_model_is_imported_from_the_working_directory_by_every_program(tmp_path):
+    """l2l-launch's children run as python -m (the working directory on sys.path) and found
+    ``mypkg.toy:GatedModel``; l2l-export and l2l-worker, console scripts, did not."""
+    import shutil
+    import subprocess
+    import sys
+
+    from .helpers import ENV, ROOT
+
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    shutil.copy(ROOT / "tests" / "toy_model.py", tmp_path / "mypkg" / "toy.py")
+    script = tmp_path / "bin" / "program.py"  # as a console script: its own folder on the path
+    script.parent.mkdir()
+    script.write_text("from worker.models import model_class\n"
+                      "print(model_class('mypkg.toy:GatedModel').__name__)\n")
+    env = dict(ENV, PYTHONPATH=str(ROOT))  # (an empty entry would stand for the cwd)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "GatedModel", out.stderr

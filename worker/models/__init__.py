@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from .base import AssembledModel, Batch, LayeredModel
 from .bert import BertModel
@@ -21,6 +23,8 @@ def model_class(name: str) -> type[LayeredModel]:
 
         return HfModel
     module_name, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # (as under python -m, whatever
+        sys.path.append(os.getcwd())  # program imports it: l2l-launch's children, l2l-export)
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
