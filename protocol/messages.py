@@ -3,8 +3,7 @@
 A message travels as ``[kind byte][msgpack body][tensor frames...]``: the kind byte picks the
 class from ``REGISTRY``, the body maps its fields. ``codec.decode`` checks every field's type
 against the annotations below, then the class's range checks (``__post_init__``): a handler
-only sees well-formed messages. A request's ``req_id`` (the client's) comes back in its reply.
-"""
+only sees well-formed messages. A request's ``req_id`` (the client's) comes back in its reply."""
 
 from __future__ import annotations
 
@@ -134,8 +133,8 @@ class Hello(Message):
         _require(self.grad_dtype in (*ITEMSIZES, "compute"), "grad_dtype",
                  f"must be one of {sorted(ITEMSIZES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
-        _require(len(self.host) <= 255, "host", "too long")
-        _require(self.host.isprintable(), "host", "must be printable (it is logged and shown)")
+        _require(len(self.host) <= 255 and self.host.isprintable(), "host",
+                 "must be at most 255 printable characters (it is logged and shown)")
         _require(not self.process or IDENTITY.fullmatch(self.process) is not None, "process",
                  "must be boot_id:pidns:pid:start_time")
 

@@ -89,6 +89,7 @@ def test_yaml_reads_exponents_as_numbers(tmp_path):
     ({"server": {"optimizer": {"lr": "fast"}}}, "server.optimizer.lr: expected float"),
     ({"worker": {"rank": 1}}, "worker.rank: unknown key"),  # set per child by the launcher
     ({"worker": {"stash": "disk"}}, "worker.stash: must be one of"),
+    ({"worker": {"device": "gpu"}}, "device must be cpu, cuda or cuda:K, got 'gpu'"),
     ({"model": {"hidden": 30, "heads": 4}}, "divisible"),
     ({"modle": {}}, "modle: unknown key"),
 ])

@@ -6,6 +6,7 @@ l2l-launch's options from these classes); ``__post_init__`` validates.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -341,6 +342,8 @@ class WorkerConfig:
             raise ValueError("layer_drop must be in [0, 1)")
         if self.threads < 1 or not self.eps_timeout > 0 or self.stall_timeout < 0:
             raise ValueError("threads must be >= 1, eps_timeout > 0 and stall_timeout >= 0")
+        if re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is None:  # (torch said so in each worker)
+            raise ValueError(f"device must be cpu, cuda or cuda:K, got {self.device!r}")
         Fault.parse(self.fault)
         parse_delays(self.cuda_delay)
         if self.device_memory_gib < 0:
