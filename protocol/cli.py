@@ -295,14 +295,29 @@ def _help(opt: Option) -> str:
 
 
 def parse(root: type, argv: list[str] | None, prog: str, description: str = "", *,
-          other_sections: bool = False, under=None) -> Any:
+          other_sections: bool = False, under=None, positionals: tuple[Option, ...] = ()
+          ) -> Any:
     """Defaults, then ``--config FILE``, then flags; returns a ``root`` instance. Bad values
     exit with a usage error naming the option. ``other_sections``: a config file's sections
     that ``root`` has not are left out (a tool that needs one part of a job's file: l2l-export
     its model); ``under(data)``: maps to put under the file's and the flags' ``data``
-    (l2l-export: the model options its checkpoint recorded)."""
+    (l2l-export: the model options its checkpoint recorded); ``positionals``: options that
+    may be given without their flags, anywhere among the others: in this order, those not
+    given as flags."""
     p = parser(root, prog, description)
-    ns = vars(p.parse_args(argv))
+    if positionals:
+        p.add_argument("positional", nargs="*", metavar=" ".join(
+            o.flag.lstrip("-").upper() for o in positionals),
+                       help=f"the same as {' '.join(o.flag for o in positionals)}")
+        ns = vars(p.parse_intermixed_args(argv))
+        given = ns.pop("positional")
+        free = [o for o in positionals if "/".join(o.path) not in ns]  # (not given as flags)
+        if len(given) > len(free):
+            p.error(f"unrecognized arguments: {' '.join(given[len(free):])}")
+        for opt, value in zip(free, given):
+            ns["/".join(opt.path)] = value  # (checked with the others below)
+    else:
+        ns = vars(p.parse_args(argv))
     try:
         data = load_file(ns.pop("config")) if ns.get("config") else {}
         ns.pop("config", None)

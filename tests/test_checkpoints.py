@@ -394,6 +394,16 @@ def test_l2l_export_needs_no_model_options_for_a_launched_job(tmp_path, capsys):
     assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "y"),
                         "--layers", "3"]) == 1
     assert "do not describe the checkpoint's model" in capsys.readouterr().err
+    # CKPT OUT anywhere among the flags (they had to come first), or the one not given as one
+    ckpt = str(tmp_path / "ckpt")
+    for i, argv in enumerate((["--layers", "2", ckpt, "{}"], [ckpt, "--layers", "2", "{}"],
+                              ["--out", "{}", ckpt])):
+        out = str(tmp_path / f"z{i}.safetensors")
+        assert export_main([a.replace("{}", out) for a in argv]) == 0, capsys.readouterr().err
+        assert load_file(out).keys() == saved.keys()
+    with pytest.raises(SystemExit):
+        export_main([ckpt, "out", "more"])
+    assert "unrecognized arguments: more" in capsys.readouterr().err
 
 
 def test_l2l_export_reads_the_model_from_a_job_file(cluster, tmp_path, capsys):

@@ -106,6 +106,9 @@ def test_merge_writes_the_base_model_with_the_adapter_folded_in(tmp_path, precis
                        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert export_main([str(tmp_path / "ck"), str(tmp_path / "merged"), "--merge"]) == 0
+    # (a .safetensors name for an hf: model made a directory of that name; as --save, refused)
+    assert export_main(["--merge", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")]) == 1
+    assert not (tmp_path / "m.safetensors").exists()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)),

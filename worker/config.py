@@ -379,10 +379,10 @@ class WorkerArgs:
         check_save(self.model, self.worker.save)
 
 
-def check_save(model: ModelConfig, save: str) -> None:
+def check_save(model: ModelConfig, save: str, flag: str = "--save") -> None:
     """An hf: model is saved as a directory: ``--save NAME.safetensors`` would quietly make a
-    directory of that name."""
+    directory of that name (``flag``: the option that names it)."""
     if save.endswith(".safetensors") and model.model.startswith("hf:"):
-        raise ValueError(f"--save {save}: a Hugging Face model (--model hf:...) is saved as a "
+        raise ValueError(f"{flag} {save}: a Hugging Face model (--model hf:...) is saved as a "
                          "save_pretrained directory (config.json, model.safetensors, tokenizer "
-                         f"files); give a directory, e.g. --save {save[:-len('.safetensors')]}")
+                         f"files); give a directory, e.g. {flag} {save[:-len('.safetensors')]}")

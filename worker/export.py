@@ -22,7 +22,7 @@ from protocol import checkpoints, cli
 from protocol.checkpoint_tensors import CheckpointTensors
 from protocol.tensors import manifest_difference, manifest_from_json, plan_layout
 
-from .config import ModelConfig
+from .config import ModelConfig, check_save
 from .models import build_model
 
 
@@ -46,6 +46,7 @@ def export_checkpoint(checkpoint: str, out: str, mcfg: ModelConfig) -> int:
     """Write the checkpoint's weights with ``mcfg``'s model; returns the checkpoint's step.
     ``checkpoint``: a root (its latest) or one checkpoint directory, checked against its
     checksums."""
+    check_save(mcfg, out, "--out")
     checkpoint = checkpoints.resolve(checkpoint)
     checkpoints.verify(checkpoint)
     with open(os.path.join(checkpoint, "manifest.json")) as f:
@@ -90,13 +91,10 @@ def recorded(given: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    given = []  # CKPT OUT first: --checkpoint CKPT --out OUT
-    while argv and not argv[0].startswith("-") and len(given) < 4:
-        given += [("--checkpoint", "--out")[len(given) // 2], argv.pop(0)]
-    args = cli.parse(ExportArgs, given + argv, "l2l-export",
+    by_flag = {o.flag: o for o in cli.options(ExportArgs)}
+    args = cli.parse(ExportArgs, argv, "l2l-export",
                      " ".join(__doc__.split("\n\n")[0].split()), other_sections=True,
-                     under=recorded)
+                     under=recorded, positionals=(by_flag["--checkpoint"], by_flag["--out"]))
     if not args.export.checkpoint or not args.export.out:
         print("l2l-export: give the checkpoint and where to write (CKPT OUT, or --checkpoint and "
               "--out)", file=sys.stderr)
