@@ -577,8 +577,16 @@ def test_a_missing_model_directory_or_data_file_is_refused_before_anything_start
     """Each worker found a wrong --model hf:PATH or --data FILE after its start-up (6-10 s),
     and each said so: the launcher says it once, before it starts anything, exit status 2."""
     (tmp_path / "model").mkdir()
+    (tmp_path / "sharded").mkdir()  # (a copy not finished: one of its two shards is there)
+    (tmp_path / "sharded" / "config.json").write_text("{}")
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                        "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "sharded" / "model-00001-of-00002.safetensors").write_bytes(b"")
     for model, said in (("hf:no/such", "--model hf:no/such: no such directory"),
-                        ("hf:model", "--model hf:model: no config.json in it")):
+                        ("hf:model", "--model hf:model: no config.json in it"),
+                        ("hf:sharded", "--model hf:sharded: its model.safetensors.index.json "
+                         "lists model-00002-of-00002.safetensors, not there")):
         p = subprocess.run([*LAUNCH, "--workers", "2", "--model", model, "--data", "none.txt",
                             *SMALL], env=ENV, cwd=tmp_path, capture_output=True, text=True,
                            timeout=60)

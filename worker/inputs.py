@@ -4,9 +4,20 @@ names decide (--freeze's patterns, LoRA's targets, a --lora-init adapter)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from .config import DataConfig, ModelConfig
+
+
+def missing_shards(path: str) -> list[str]:
+    """The files ``path``'s model.safetensors.index.json names that are not there."""
+    try:
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # (no index, or one the loader says is damaged)
+    return [s for s in shards if not os.path.isfile(os.path.join(path, s))]
 
 
 def hf_dir_problem(path: str) -> str:
@@ -16,6 +27,9 @@ def hf_dir_problem(path: str) -> str:
                 "config.json, weights, tokenizer files)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         return f"--model hf:{path}: no config.json in it (a save_pretrained directory is expected)"
+    if missing := missing_shards(path):
+        return (f"--model hf:{path}: its model.safetensors.index.json lists "
+                f"{', '.join(missing)}, not there (a copy or download not finished?)")
     return ""
 
 

@@ -33,6 +33,7 @@ from protocol.safetensors_io import SafetensorsFile
 from protocol.tensors import LayerPlan, plan_layout
 
 from ...config import size_bytes
+from ...inputs import missing_shards
 from ..base import derive_seed, params_on_meta
 from . import families, quantized, shards
 
@@ -56,6 +57,9 @@ class HfCheckpoint:
             with open(index) as f:
                 self.files = {k: os.path.join(self.path, v)
                               for k, v in json.load(f)["weight_map"].items()}
+            if missing := missing_shards(self.path):
+                raise ValueError(f"{index} lists {', '.join(missing)}, missing from "
+                                 f"{self.path} (a copy or download not finished?)")
         elif os.path.isfile(os.path.join(self.path, "model.safetensors")):
             single = os.path.join(self.path, "model.safetensors")
             self.files = dict.fromkeys(SafetensorsFile(single).keys(), single)
