@@ -145,7 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch.plan:
         from .plan import plan_text  # builds the model's manifest: loads torch
 
-        print(plan_text(args), flush=True)
+        try:
+            problems = input_problems(args.model, args.data)
+            text = "" if any(problems) else plan_text(args)
+        except ValueError as e:
+            problems = [str(e)]
+        if any(problems):
+            for problem in filter(None, problems):
+                print(f"l2l-launch: {problem}", file=sys.stderr)
+            return REFUSED
+        print(text, flush=True)
         return 0
     if args.launch.role != "all":  # a container's one process: the EPS or a worker
         try:

@@ -34,7 +34,8 @@ class LaunchConfig:
     """The run's name: its directory under --runs-dir and its shared memory's prefix;
     empty: a random one. Give the same one to every --role of a job."""
     plan: bool = False
-    """Print what the job needs (the EPS's shared memory: a container's shm_size) and exit."""
+    """Print the model's layers and tensors (the names --freeze matches) and what the job
+    needs (the EPS's shared memory: a container's shm_size), and exit."""
     endpoint: str = ""
     """The EPS's endpoint; empty: a private ipc socket in a folder of its own (--role all;
     kept in runs/<run id>/endpoint while the job runs, where l2l-ctl finds it), else

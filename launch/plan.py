@@ -1,6 +1,7 @@
-"""``l2l-launch --plan``: the shared memory a job's EPS will create, region by region, before
-anything starts, so a container's ``shm_size`` (Docker's default /dev/shm is 64 MB) can be set
-from the model rather than guessed. The sizes are those eps_server/layer_store.py allocates."""
+"""``l2l-launch --plan``: the model's layers and tensors (the names --freeze matches), and the
+shared memory a job's EPS will create, region by region, before anything starts, so a
+container's ``shm_size`` (Docker's default /dev/shm is 64 MB) can be set from the model rather
+than guessed. The sizes are those eps_server/layer_store.py allocates."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ class Need(NamedTuple):
     per_worker: bool = False  # the sum of one region per worker (made again for a replacement)
 
 
-def shm_regions(args: LaunchArgs) -> list[Need]:
+def shm_regions(args: LaunchArgs, model=None) -> list[Need]:
     """Every region, the stash arenas estimated (their size is set by the first activation a
     worker stashes)."""
-    model = build_model(args.model)
+    model = model or build_model(args.model)
     layout = plan_layout(model.manifest())
     server, w, n = server_config(args, "", "plan"), args.worker, args.launch.workers
     compute = server.compute_dtype
@@ -78,12 +79,39 @@ def size(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
+def tensor_lines(layers) -> list[str]:
+    """The layers and their tensors as --freeze names them (``<layer>.<tensor>``), a run of
+    layers alike (one kind, the same tensors) once."""
+    def alike(layer):
+        return layer.kind, [(t.name, t.shape, t.group, t.tie is None) for t in layer.tensors]
+
+    lines = ["layers and their tensors (--freeze globs match <layer>.<tensor>):"]
+    runs: list[list] = []
+    for layer in layers:
+        if runs and alike(runs[-1][-1]) == alike(layer):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    for run in runs:
+        first = run[0]
+        name = first.name if len(run) == 1 else \
+            f"{first.name} .. {run[-1].name} ({len(run)} layers alike)"
+        lines.append(f"  {name}  [{first.kind}]")
+        for t in first.tensors:
+            what = {"frozen": ["frozen"], "no_decay": ["no weight decay"]}.get(t.group, [])
+            what += [f"tied to {'.'.join(t.tie)}"] if t.tie else []
+            lines.append(f"    {t.name}  {tuple(t.shape)}{'  ' + ', '.join(what) if what else ''}")
+    return lines
+
+
 def plan_text(args: LaunchArgs) -> str:
-    rows = shm_regions(args)
+    model = build_model(args.model)
+    rows = shm_regions(args, model)
     total = sum(r.nbytes for r in rows)
     width = max(len(r.what) for r in rows)
-    lines = [f"shared memory of the EPS ({args.model.model}, {args.launch.workers} workers, "
-             f"{args.server.precision}):"]
+    lines = tensor_lines(model.manifest().layers)
+    lines += [f"shared memory of the EPS ({args.model.model}, {args.launch.workers} workers, "
+              f"{args.server.precision}):"]
     lines += [f"  {r.what:<{width}}  {size(r.nbytes):>14}" for r in rows]
     lines += [f"  {'total':<{width}}  {size(total):>14}",
               f"L2L_SHM_SIZE={shm_size(recommended(rows, args.launch.workers))}"]

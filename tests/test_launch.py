@@ -597,6 +597,26 @@ def test_a_missing_model_directory_or_data_file_is_refused_before_anything_start
     assert not (tmp_path / "runs").exists()  # no job was made
 
 
+def test_the_plan_lists_the_tensors_freeze_names_and_refuses_as_a_job_would(tmp_path):
+    """--freeze's errors point at --plan for the tensors' names, which it did not list; a
+    mistake in a --plan was a traceback where the job's start says it in a line."""
+    model = ["--model", "gpt", "--layers", "3", "--hidden", "32", "--heads", "2"]
+    p = subprocess.run([*LAUNCH, *model, "--tie-embeddings", "--freeze", "pre.*", "--plan"],
+                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "  blocks.0 .. blocks.2 (3 layers alike)  [decoder]" in lines
+    assert "    tok.weight  (128, 32)  frozen" in lines
+    assert "    out.weight  (128, 32)  frozen, tied to pre.tok.weight" in lines
+    assert lines[-1].startswith("L2L_SHM_SIZE=")
+    for wrong, said in (([*model, "--freeze", "zz*"], "--freeze 'zz*' matches no tensor"),
+                        (["--model", "hf:no/such"], "--model hf:no/such: no such directory")):
+        p = subprocess.run([*LAUNCH, *wrong, "--plan"], env=ENV, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == REFUSED and p.stderr.startswith(f"l2l-launch: {said}"), p.stderr
+        assert "Traceback" not in p.stderr and p.stdout == ""
+
+
 def test_a_failed_job_names_the_checkpoint_to_go_on_from(tmp_path, reap):
     """The EPS killed, no restarts: the launcher's failure line says which checkpoint to
     --load."""
