@@ -174,13 +174,29 @@ def output_problem(args: LaunchArgs) -> str:
     if exports_checkpoint(args) and not args.server.save:
         return ("--save in --eps-mode shard with bf16/fp16 needs --server-save: the fp32 "
                 "master is spread over the boxes, and box 0 exports the final checkpoint")
+    hf = args.model.model.startswith("hf:")  # saved as a directory; other models as a file
     for option, path in (("--summary-json", args.launch.summary_json),
                          ("--save", args.launch.save)):
-        problem = (unwritable(path) if not os.path.isdir(path) else
-                   "" if os.access(path, os.W_OK) else "not writable")  # a model's directory
+        problem = (unfit_folder(path, args.model.model[3:]) if hf and option == "--save"
+                   else unwritable(path))
         if problem:
             return f"{option} {path}: {problem}"
     return ""
+
+
+def unfit_folder(path: str, source: str) -> str:
+    """Why an hf: model cannot be saved as a directory at ``path``, or "" (the export's own
+    checks, made before training)."""
+    if not os.path.exists(path):
+        return unwritable(path)
+    if not os.path.isdir(path):
+        return "exists and is not a folder (a Hugging Face model is saved as a directory)"
+    if os.path.samefile(path, source):
+        return "is the model's source directory; save elsewhere"
+    if os.listdir(path) and not any(os.path.isfile(os.path.join(path, n)) for n in (
+            "config.json", "adapter_config.json")):
+        return "is a non-empty folder that is not a model; not writing into it"
+    return "" if os.access(path, os.W_OK) else "not writable"
 
 
 def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:

@@ -136,3 +136,31 @@ def test_an_unwritable_summary_path_is_refused_before_the_run(tmp_path):
                         "2"], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--summary-json" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_outputs_that_would_fail_after_training_are_refused_before_it(tmp_path):
+    """An existing folder as --summary-json or as a built-in model's --save, an existing file
+    as an hf: model's --save (a directory), or someone's folder: each failed after training."""
+    from launch.__main__ import output_problem
+    from launch.config import LaunchArgs
+    from protocol import cli
+
+    from . import hf_fixtures as fx
+
+    model = fx.model_dir(tmp_path / "model", "llama")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    (tmp_path / "file.jsonl").write_text("{}")
+
+    def problem(*argv):
+        return output_problem(cli.parse(LaunchArgs, list(argv), "l2l-launch"))
+
+    folder, notes, file = (str(tmp_path / n) for n in ("folder", "notes", "file.jsonl"))
+    assert problem("--summary-json", folder) == f"--summary-json {folder}: is a folder"
+    assert problem("--save", folder) == f"--save {folder}: is a folder"
+    hf = ["--model", f"hf:{model}"]
+    assert "exists and is not a folder" in problem(*hf, "--save", file)
+    assert "non-empty folder that is not a model" in problem(*hf, "--save", notes)
+    assert "source directory" in problem(*hf, "--save", str(model))
+    assert problem(*hf, "--save", folder) == problem(*hf, "--save", str(tmp_path / "new")) == ""
