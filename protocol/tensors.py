@@ -314,10 +314,27 @@ def manifest_difference(ours: Manifest, theirs: Manifest) -> str:
                     return (f"layer {a.name!r} tensor {ta.name!r} tied to {ta.tie} vs "
                             f"server {tb.tie}")
                 if ta != tb:
-                    return (f"layer {a.name!r} tensor {ta.name!r} {ta.shape} vs "
-                            f"server {tb.name!r} {tb.shape}")
+                    hint = (" (--freeze or the LoRA options differ from those the server's "
+                            "model was made with)" if "frozen" in (ta.group, tb.group)
+                            and ta.group != tb.group else "")
+                    return f"layer {a.name!r} tensor {_said(ta)} vs server {_said(tb)}{hint}"
+            if len(a.tensors) != len(b.tensors):
+                more, fewer, where = ((a, b, "the server's") if len(a.tensors) > len(b.tensors)
+                                      else (b, a, "this"))
+                return (f"layer {a.name!r}: tensor {more.tensors[len(fewer.tensors)].name!r} "
+                        f"is not in {where} model ({len(a.tensors)} tensors vs server "
+                        f"{len(b.tensors)})")
+            if a.kind != b.kind:
+                return f"layer {a.name!r} is a {a.kind!r} vs server {b.kind!r}"
             return f"layer {a.name!r} differs"
     return ""
+
+
+def _said(t: TensorSpec) -> str:
+    """A tensor as a manifest difference names it: what sets it apart."""
+    extra = [t.group] if t.group != "decay" else []
+    return " ".join([repr(t.name), str(t.shape), *extra, *([t.dtype] if t.dtype != "float32"
+                                                           else [])])
 
 
 def views(flat: torch.Tensor, plan: LayerPlan) -> list[torch.Tensor]:

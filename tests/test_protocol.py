@@ -292,3 +292,25 @@ def test_the_req_id_of_a_message_left_unread():
                    [b"\x06", msgpack.packb({"x" * 100: 1, "req_id": 3})],
                    [b"\x06", msgpack.packb([1, 2])]):
         assert codec.request_id(frames) == 0, frames
+
+
+def test_a_manifest_difference_names_what_differs():
+    """A LoRA checkpoint loaded without the LoRA options said "'embed_tokens.weight' (41, 32)
+    vs server 'embed_tokens.weight' (41, 32)": the difference was that one is frozen."""
+    from protocol.tensors import LayerSpec, Manifest, TensorSpec, manifest_difference
+
+    def manifest(group="decay", kind="k", extra=()):
+        return Manifest(layers=(LayerSpec(name="pre", kind=kind, tensors=(
+            TensorSpec(name="emb.weight", shape=(41, 32), group=group), *extra)),))
+
+    assert manifest_difference(manifest(), manifest()) == ""
+    said = manifest_difference(manifest("frozen"), manifest())
+    assert said.startswith("layer 'pre' tensor 'emb.weight' (41, 32) vs server 'emb.weight' "
+                           "(41, 32) frozen (--freeze or the LoRA options differ"), said
+    lora = (TensorSpec(name="lora_A", shape=(4, 32)),)
+    assert manifest_difference(manifest(), manifest(extra=lora)) == (
+        "layer 'pre': tensor 'lora_A' is not in the server's model (2 tensors vs server 1)")
+    assert manifest_difference(manifest(extra=lora), manifest()) == (
+        "layer 'pre': tensor 'lora_A' is not in this model (1 tensors vs server 2)")
+    assert manifest_difference(manifest(), manifest(kind="k2")) == (
+        "layer 'pre' is a 'k2' vs server 'k'")
