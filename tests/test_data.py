@@ -97,6 +97,14 @@ def test_bad_token_files_are_refused(models, tmp_path):
         task(models["bert"], tmp_path / "a.bin")
 
 
+def test_a_labelled_table_for_a_language_model_says_what_it_is(models, tmp_path):
+    """It said "label 2 is out of range [0, 2)" (a causal LM config's default num_labels)."""
+    tsv = fx.classification_tsv(tmp_path / "a.tsv")
+    with pytest.raises(DataError, match="a TSV file is labelled text, for a classifier .* "
+                       "--classes N makes a causal LM a sequence classifier"):
+        task(models["gpt2"], tsv)
+
+
 def test_tokens_are_cached_and_a_changed_file_is_read_again(models, tmp_path):
     tsv = fx.classification_tsv(tmp_path / "a.tsv")
     first = task(models["bert"], tsv)

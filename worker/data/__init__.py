@@ -97,6 +97,11 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     tokenizer = tokenizer()
     classes = getattr(model.config, "num_labels", cfg.classes)
     if fmt in ("tsv", "csv"):
+        if model.objective != "classify":  # (its labels were checked against num_labels: 2)
+            raise DataError(f"{path}: a {fmt.upper()} file is labelled text, for a classifier "
+                            f"({model.cfg.model} trains a language model; --classes N makes a "
+                            "causal LM a sequence classifier with a new head); a language model "
+                            "trains on plain text, JSONL records or token ids")
         records = partial(read_table, path, fmt, data.text_column, data.text_pair_column,
                           data.label_column, classes)
         objective = "classify"
