@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 from eps_server.config import ServerArgs
 from protocol import cli
+from protocol.checkpoints import latest
 from protocol.lifecycle import REFUSED, skip_exit_collections
 from protocol.trace import merge
 from worker.inputs import input_problems
@@ -166,7 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"l2l-launch: {problem}", file=sys.stderr)
         return REFUSED
+    if note := earlier_checkpoints(args):
+        print(f"l2l-launch: {note}", file=sys.stderr)
     return train(args)[0]
+
+
+def earlier_checkpoints(args: LaunchArgs) -> str:
+    """A warning when --server-save holds checkpoints this job neither resumes nor keeps: an
+    earlier run's, which its own replace (--keep-checkpoints), or ""."""
+    root, load = args.server.save, args.server.load
+    found = latest(root) if root and os.path.isdir(root) else None
+    if found is None or load and os.path.realpath(os.path.dirname(os.path.abspath(
+            found[0]))) in (os.path.realpath(load), os.path.realpath(os.path.dirname(load))):
+        return ""
+    return (f"--server-save {root} holds an earlier run's checkpoints (the latest of step "
+            f"{found[1]}): this run's replace them, the oldest first (--keep-checkpoints "
+            f"{args.server.keep_checkpoints}); --load {root} would go on from them")
 
 
 def output_problem(args: LaunchArgs) -> str:

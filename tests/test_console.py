@@ -164,3 +164,27 @@ def test_outputs_that_would_fail_after_training_are_refused_before_it(tmp_path):
     assert "non-empty folder that is not a model" in problem(*hf, "--save", notes)
     assert "source directory" in problem(*hf, "--save", str(model))
     assert problem(*hf, "--save", folder) == problem(*hf, "--save", str(tmp_path / "new")) == ""
+
+
+def test_a_run_that_will_replace_an_earlier_runs_checkpoints_says_so(tmp_path):
+    """A new run with the --server-save of an earlier one pruned its checkpoint of step 6 at
+    its own first, without a word; --load of that root (resuming it) is not warned about."""
+    from launch.__main__ import earlier_checkpoints
+    from launch.config import LaunchArgs
+    from protocol import cli
+
+    root = tmp_path / "ck"
+    (root / "step-00000006").mkdir(parents=True)
+    (root / "step-00000006" / "state.json").write_text('{"step": 6}')
+    (root / "latest").write_text("step-00000006\n")
+
+    def note(*argv):
+        return earlier_checkpoints(cli.parse(LaunchArgs, ["--server-save", str(root), *argv],
+                                             "l2l-launch"))
+
+    assert note().startswith(f"--server-save {root} holds an earlier run's checkpoints (the "
+                             "latest of step 6): this run's replace them")
+    assert note("--load", str(root)) == note("--load", str(root / "step-00000006")) == ""
+    assert note("--load", str(tmp_path / "elsewhere")) != ""
+    assert earlier_checkpoints(cli.parse(LaunchArgs, ["--server-save", str(tmp_path / "new")],
+                                         "l2l-launch")) == ""
