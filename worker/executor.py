@@ -323,8 +323,8 @@ class Executor(Evaluation):
             buf.add_(g)  # several readers (or tensors) may share one buffer
 
     def point(self, step: int, point: str) -> None:
-        """The loop reached ``point`` of ``step`` (a visit starts, or E: the step is done and
-        reported): it made progress (its heartbeats go on), and --fault fires there."""
+        """The loop reached ``point`` of ``step`` (a visit starts; P: its pushes are in; E: it
+        is reported): it made progress (its heartbeats go on), and --fault fires there."""
         self.heap.tick()
         self.source.tick()
         self.streams.stall("compute")  # testing (--cuda-delay): the visit's kernels run late
