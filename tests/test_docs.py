@@ -106,3 +106,14 @@ def test_the_readme_keeps_the_two_commands_ci_runs():
         assert re.search(rf"^{re.escape(command)}\b", readme, re.M), command
     assert "(docs/README.md)" in readme
     assert len(readme.splitlines()) < 200, "README.md is the door: move details into docs/"
+
+
+def test_the_protocol_spec_names_the_version_the_code_speaks():
+    """SPEC.md's title, Hello and Welcome said 6 (and an Error "is not 5") at version 7."""
+    from protocol.messages import PROTOCOL_VERSION
+
+    spec = (ROOT / "protocol" / "SPEC.md").read_text()
+    assert spec.splitlines()[0] == f"# L2L wire protocol, version {PROTOCOL_VERSION}"
+    said = re.findall(r"server's version \((\d+)\)|\| protocol_version \| int \| (\d+) \||"
+                      r"is not the server's \((\d+)\)", spec)
+    assert len(said) == 3 and {v for m in said for v in m if v} == {str(PROTOCOL_VERSION)}
