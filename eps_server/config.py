@@ -211,6 +211,11 @@ class ServerConfig:
     """The job's model options as a JSON map (l2l-launch gives its --model options), opaque to
     the EPS: recorded in each checkpoint (state.json "model"), so that l2l-export needs no
     model options; empty: those of the checkpoint loaded, if it has them."""
+    job_options: str = ""
+    """The workers' settings every box of a job must share, as a JSON map (l2l-launch gives
+    steps, micro-batches and their size, LayerDrop, the data's format): with several boxes,
+    compared at the join with the EPS's own and the model options (eps_server/box_settings.py);
+    opaque otherwise."""
     exit_when_done: bool = False
     """Exit once all world_size workers said Bye(done=True) and the last updates are in."""
     trace: str = ""
@@ -247,8 +252,13 @@ class ServerConfig:
             raise ValueError("CURVE needs both curve_secret_key and curve_clients")
         if self.run_id and not is_run_id(self.run_id):
             raise ValueError("run_id must be 1..64 letters, digits or underscores")
-        if self.model_options and not isinstance(self.model_record, dict):
-            raise ValueError("model_options must be a JSON map")
+        for name in ("model_options", "job_options"):
+            try:
+                ok = not getattr(self, name) or isinstance(json.loads(getattr(self, name)), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} must be a JSON map")
         b = self.boxes
         if b.nodes > 1 and b.eps_mode == "shard" and self.optimizer.name == "lamb":
             raise ValueError("--eps-mode shard splits tensors across boxes and LAMB's trust "

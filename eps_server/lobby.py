@@ -30,6 +30,7 @@ from protocol.messages import (
 from protocol.tensors import Manifest
 
 from . import checkpoint, rendezvous
+from .box_settings import agree_on_settings
 from .boxes import CrossBox
 from .config import ServerConfig, with_changes
 from .core import EpsCore
@@ -69,6 +70,7 @@ def join_and_load(cfg: ServerConfig, run_id: str, joined: Callable[[], None], **
     if cfg.boxes.nodes > 1:  # every box's EPS is there before any serves
         notify(Starting(phase="joining", total=cfg.boxes.nodes, patience=cfg.boxes.box_timeout))
         rendezvous.join(cfg.boxes)
+        agree_on_settings(cfg)
         load = CrossBox.agree_on_checkpoint(cfg.boxes, load)
         joined()
     return load_core(cfg, load, run_id, **kw) if load else None

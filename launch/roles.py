@@ -22,14 +22,20 @@ def server_config(args: LaunchArgs, endpoint: str, run_id: str, trace: str = "")
     """The EPS of this job: world size from --workers, recovery on with --max-restarts, and
     (--server-threads 0) the cores its workers' --threads leave (the workers of a container
     job share the box as well). It records the model options in its checkpoints, for
-    l2l-export (an hf: model's directory as an absolute path: export may run elsewhere)."""
+    l2l-export (an hf: model's directory as an absolute path: export may run elsewhere), and
+    with several boxes compares them and the workers' settings with the other boxes'."""
     a, model = args.launch, args.model
     threads = args.server.threads or max(1, available_cores() - a.workers * args.worker.threads)
     if model.model.startswith("hf:"):
         model = replace(model, model="hf:" + os.path.abspath(model.model[3:]))
+    w, d = args.worker, args.data
+    job = {"steps": w.steps, "micro_batches": w.micro_batches, "layer_drop": w.layer_drop,
+           "micro_batch_size": w.micro_batch_size, "grad_dtype": w.grad_dtype,
+           "data": {k: v for k, v in cli.to_dict(d).items() if k not in ("data", "eval_data")}}
     return replace(args.server, endpoint=endpoint, world_size=a.workers, run_id=run_id,
                    exit_when_done=True, recovery=args.server.recovery or a.max_restarts > 0,
-                   trace=trace, threads=threads, model_options=json.dumps(cli.to_dict(model)))
+                   trace=trace, threads=threads, model_options=json.dumps(cli.to_dict(model)),
+                   job_options=json.dumps(job))
 
 
 def worker_args(args: LaunchArgs, endpoint: str, rank: int, summary_json: str,

@@ -104,14 +104,40 @@ def test_n_boxes_of_one_worker_train_as_one_box_of_n(tmp_path, one_box, mode, n,
 
 
 def test_replicas_that_differ_stop_the_job_on_every_box(tmp_path):
-    """Box 1's workers start the model from another seed: the first comparison (step 0)
-    finds the replicas different, and both boxes fail saying so."""
-    results = finish(boxes(tmp_path, 2, per_box=lambda r: ("--seed", str(5 + r))))
+    """Box 1's workers start the model from other weights (--init-from a file of its own, a
+    path the join does not compare): the first comparison (step 0) finds the replicas
+    different, and both boxes fail saying so."""
+    from safetensors.torch import save_file
+
+    from launch.config import LaunchArgs
+    from protocol import cli
+    from worker.models import build_model
+
+    for r in range(2):
+        model = build_model(cli.parse(LaunchArgs, [*JOB, "--seed", str(5 + r)], "t").model)
+        save_file({k: v.contiguous() for k, v in model.assemble().state_dict().items()},
+                  str(tmp_path / f"init{r}.safetensors"))
+    results = finish(boxes(tmp_path, 2, per_box=lambda r: (
+        "--init-from", str(tmp_path / f"init{r}.safetensors"))))
     for r, (code, err) in enumerate(results):
         assert code == 1, f"box {r}: {err}"
         s = json.loads((tmp_path / f"box{r}" / "s.json").read_text())
         eps = (tmp_path / f"box{r}" / "runs" / s["run_id"] / "eps.log").read_text()
         assert "the replicas differ at step 0 in layers" in eps, eps
+
+
+@pytest.mark.parametrize("mode, option, said", [
+    ("shard", ("--lr", "1e-1"), "optimizer.lr 0.1 vs 0.003"),  # each shard its own rate
+    ("replicate", ("--micro-batches", "3"), "job.micro_batches 3 vs 2")])  # another batch
+def test_boxes_started_with_other_settings_are_refused_at_the_join(tmp_path, mode, option,
+                                                                   said):
+    """Box 1 given another learning rate in shard mode trained silently (each box updated its
+    shard with its own; the gathered served copies agreed), one with more micro-batches
+    counted a global batch of its own: now both boxes refuse at the join, naming it."""
+    results = finish(boxes(tmp_path, 2, "--eps-mode", mode, per_box=lambda r: option * r))
+    for r, (code, err) in enumerate(results):
+        assert code != 0 and said in err and "must be started with the same" in err, err
+        assert "Traceback" not in err and "step 1/" not in err, err
 
 
 def test_a_dead_box_fails_the_others_within_the_timeout(tmp_path):
