@@ -70,11 +70,23 @@ class SaveOutcomes:
         self.notify(CheckpointFailed(step=step, path=path, error=error, last_step=last,
                                      final=final))
 
+    def cut_off(self, step: int, path: str, error: str) -> None:
+        """A box was lost while the boxes wrote a checkpoint: not a failure of the disk (nor
+        counted as one, which --checkpoint-errors fail would stop the job for) but of the
+        boxes' group, which stops this EPS (BOX_LOST) for a restart from the last complete
+        checkpoint."""
+        found = latest(path)
+        log.warning("checkpoint of step %d to %s cut off: %s; %s", step, path, error,
+                    f"the latest complete one there is step {found[1]}" if found else
+                    "there is no complete one there yet")
+
     def settle(self, saved: Saved) -> list[Out]:
         """A checkpoint's outcome: logged and counted; a Save's requester gets its Ack, or an
         Error: ``resource`` where the OS refused (say, a full disk), else ``internal``."""
         if saved.error is None:
             self.written(saved.step, saved.path)
+        elif saved.lost:
+            self.cut_off(saved.step, saved.path, saved.error)
         else:
             self.failed(saved.step, saved.path, saved.error)
         who = saved.requester
@@ -94,5 +106,7 @@ class SaveOutcomes:
         try:
             if write():
                 self.written(step, path, final=True)
-        except (OSError, BoxLost) as e:  # (shard mode: a box gone while they wrote it)
+        except BoxLost as e:  # (shard mode: a box gone while they wrote it)
+            self.cut_off(step, path, describe(e))
+        except OSError as e:
             self.failed(step, path, describe(e), final=True)

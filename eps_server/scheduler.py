@@ -35,6 +35,7 @@ import torch
 from protocol import checkpoints as layout_on_disk
 
 from . import checkpoint
+from .boxes import BoxLost
 from .config import OptimizerConfig, ServerConfig
 from .engines import Engines
 from .jobs import (
@@ -75,6 +76,7 @@ class Saved:
     step: int
     error: str | None = None
     refused: bool = False  # the error is the OS's (a full or read-only disk), not a bug
+    lost: bool = False  # shard mode: a box was lost while they wrote it (no disk's fault)
 
 
 @dataclass
@@ -345,7 +347,7 @@ class UpdateScheduler:
         self._begin_save()
         error = None if done.error is None else describe(done.error)
         return Saved(ticket.requester, ticket.path, ticket.target, error,
-                     isinstance(done.error, OSError))
+                     isinstance(done.error, OSError), isinstance(done.error, BoxLost))
 
     def loaded(self, directory: str, step: int, state: dict) -> None:
         """Resumed from checkpoint ``directory`` at ``step``: if it is its root's latest, a

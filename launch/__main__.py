@@ -243,8 +243,9 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
                 code = code or 1
     if code == 0 and summary["checkpoint_failures"]:  # --checkpoint-errors warn
         last = summary["checkpoint_failures"][-1]
-        good = (f"the latest good one is step {last['last_step']} in {last['path']}"
-                if last["last_step"] >= 0 else "there is no good one")
+        found = latest(last["path"])  # (now: later ones may have been written since)
+        good = (f"the latest good one is step {found[1]} in {last['path']}" if found else
+                "there is no good one")
         done = "training and --save" if args.launch.save else "training"
         say(f"l2l-launch: warning: {done} completed, but "
             f"{len(summary['checkpoint_failures'])} checkpoint(s) failed (last: "

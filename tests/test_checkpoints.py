@@ -443,3 +443,20 @@ def test_the_checkpoints_a_root_offers_end_at_its_latest(tmp_path):
                                    (2, str(tmp_path / "step-00000002"))]
     (tmp_path / "latest").unlink()  # (a writer stopped before its first pointer: the newest)
     assert [step for step, _ in held(str(tmp_path))] == [100, 4, 2]
+
+
+def test_a_box_lost_while_the_boxes_write_is_no_checkpoint_failure(tmp_path, caplog):
+    """Shard mode: a box killed while the boxes wrote a checkpoint made it a CheckpointFailed,
+    which --checkpoint-errors fail stopped the whole job for (no restart), and which the exit
+    warning counted. It is the boxes' group that failed: the EPS exits for a restart."""
+    from eps_server.saving import SaveOutcomes
+    from eps_server.scheduler import Saved
+    from eps_server.stats import EpsStats
+
+    said = []
+    outcomes = SaveOutcomes(EpsStats(), said.append)
+    outcomes.settle(Saved(None, str(tmp_path), 6, "BoxLost: box 1 is gone", lost=True))
+    assert said == [] and outcomes.stats.checkpoint_failures == 0
+    assert "checkpoint of step 6 to" in caplog.text and "cut off" in caplog.text
+    outcomes.settle(Saved(None, str(tmp_path), 7, "No space left on device", refused=True))
+    assert [ev.step for ev in said] == [7] and outcomes.stats.checkpoint_failures == 1
