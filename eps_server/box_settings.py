@@ -13,6 +13,8 @@ checkpoints go) may differ between machines and are not compared."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 
 import torch
 
@@ -41,7 +43,7 @@ def shared(cfg: ServerConfig) -> dict:
 def differences(mine: dict, theirs: dict, where: str = "") -> list[str]:
     """``name: theirs vs mine`` for each setting that differs (maps compared key by key)."""
     out = []
-    for key in sorted(set(mine) | set(theirs)):
+    for key in sorted(k for k in set(mine) | set(theirs) if not k.startswith("_")):
         a, b = mine.get(key), theirs.get(key)
         name = f"{where}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
@@ -55,10 +57,27 @@ def agree_on_settings(cfg: ServerConfig) -> None:
     """Compare this box's settings with box 0's (after the join; every box calls this).
     Raises ValueError naming the differences (a restart would meet them again), BoxLost when
     the boxes cannot be reached."""
+    me = cfg.boxes.node_rank
+    settings = shared(cfg)
+    marker = ""  # shard mode: box 0 marks its --server-save, which every box must see
+    if cfg.save and cfg.boxes.sharding is not None and me == 0:
+        marker = f".boxes.tmp-{secrets.token_hex(8)}"  # (a leftover is removed as ours)
+        open(os.path.join(cfg.save, marker), "w").close()
+        settings["_folder"] = marker
+    try:
+        every = _exchange(cfg, json.dumps(settings, sort_keys=True).encode())
+        _compare(cfg, every)
+        _same_folder(cfg, every[0].get("_folder", ""))
+    finally:
+        if marker:
+            os.unlink(os.path.join(cfg.save, marker))
+
+
+def _exchange(cfg: ServerConfig, mine: bytes) -> list[dict]:
+    """Every box's settings, in box order ({} for one that cannot be read)."""
     from .boxes import BoxLost, gathered
 
-    nodes, me = cfg.boxes.nodes, cfg.boxes.node_rank
-    mine = json.dumps(shared(cfg), sort_keys=True).encode()
+    nodes = cfg.boxes.nodes
     try:
         sizes = [int(s) for s in gathered(torch.tensor([len(mine)], dtype=torch.int64), nodes)]
         if max(sizes) > MAX_BYTES or min(sizes) < 0:
@@ -70,21 +89,43 @@ def agree_on_settings(cfg: ServerConfig) -> None:
         raise
     except Exception as e:  # gloo: a peer gone (connection closed) or the timeout
         raise BoxLost(f"the boxes could not compare their settings: {e}") from None
+    out = []
+    for row, size in zip(every, sizes):
+        try:
+            out.append(json.loads(bytes(row[:size].tolist())))
+        except ValueError:
+            out.append({})
+    return out
+
+
+def _compare(cfg: ServerConfig, every: list[dict]) -> None:
+    """Every box compares every box with box 0 (so that all refuse, or none)."""
+    me, first = cfg.boxes.node_rank, every[0]
+    for r in range(1, len(every)):
+        if said := differences(first, every[r]):
+            who, than = (("this box", "box 0") if r == me else
+                         (f"box {r}", "this box" if me == 0 else "box 0"))
+            raise ValueError(f"{who} runs the job with other settings than {than}: "
+                             f"{'; '.join(said[:6])} ({who}'s vs {than}'s): every box of a job "
+                             "must be started with the same")
+
+
+def _same_folder(cfg: ServerConfig, marker: str) -> None:
+    """Shard mode: the boxes write each checkpoint together into one folder; a box that does
+    not see box 0's (no shared file system) failed every checkpoint, and the job exited 0
+    with none. Every box says whether it sees box 0's marker; any that does not is refused
+    on every box."""
+    from .boxes import BoxLost, gathered
+
+    if not marker:
+        return
+    sees = os.path.isfile(os.path.join(cfg.save, marker))
     try:
-        first = json.loads(bytes(every[0][:sizes[0]].tolist()))
-    except ValueError as e:
-        raise ValueError(f"box 0's settings are not readable: {e}") from None
-    if me == 0:  # (box 0 names the boxes that differ from it)
-        for r in range(1, nodes):
-            try:
-                theirs = json.loads(bytes(every[r][:sizes[r]].tolist()))
-            except ValueError:
-                theirs = {}
-            if said := differences(first, theirs):
-                raise ValueError(f"box {r} runs the job with other settings than this box: "
-                                 f"{'; '.join(said[:6])} (box {r}'s vs this one's): every box "
-                                 "of a job must be started with the same")
-    elif said := differences(first, json.loads(mine)):
-        raise ValueError(f"this box runs the job with other settings than box 0: "
-                         f"{'; '.join(said[:6])} (this box's vs box 0's): every box of a job "
-                         "must be started with the same")
+        seen = [int(s) for s in gathered(torch.tensor([int(sees)], dtype=torch.int64),
+                                         cfg.boxes.nodes)]
+    except Exception as e:
+        raise BoxLost(f"the boxes could not compare their --server-save: {e}") from None
+    if blind := [r for r, s in enumerate(seen) if not s]:
+        raise ValueError(f"--server-save {cfg.save}: box(es) {blind} do not see box 0's folder "
+                         "there; in --eps-mode shard the boxes write each checkpoint together "
+                         "into one folder every box sees (a shared file system)")

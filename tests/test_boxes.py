@@ -140,6 +140,16 @@ def test_boxes_started_with_other_settings_are_refused_at_the_join(tmp_path, mod
         assert "Traceback" not in err and "step 1/" not in err, err
 
 
+def test_shard_boxes_that_do_not_share_their_checkpoint_folder_are_refused(tmp_path):
+    """Each box given a --server-save of its own (no shared file system) failed every
+    checkpoint and the job exited 0 without one: now refused at the join, on every box."""
+    results = finish(boxes(tmp_path, 2, "--eps-mode", "shard", "--checkpoint-every", "2",
+                           per_box=lambda r: ("--server-save", str(tmp_path / f"ck{r}"))))
+    for r, (code, err) in enumerate(results):
+        assert code != 0 and "box(es) [1] do not see box 0's folder" in err, err
+    assert os.listdir(tmp_path / "ck0") == [".lock"]  # box 0's marker is gone
+
+
 def test_a_dead_box_fails_the_others_within_the_timeout(tmp_path):
     """Box 1's EPS is killed once training runs: box 0's next reduction fails (gloo sees
     the connection gone, or waits --box-timeout at most) and box 0's job fails saying so,
