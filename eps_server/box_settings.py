@@ -21,7 +21,10 @@ import torch
 from .config import ServerConfig
 
 MAX_BYTES = 1 << 20  # a box's settings (JSON): a larger claim is refused, not allocated
-LOCAL = ("data", "eval_data", "init_from", "lora_init")  # files: where each machine has them
+# Not compared: files (where each machine has them), what only box 0 does (it writes --save)
+# and evaluation (each box's launcher evaluates its own workers).
+LOCAL = ("data", "eval_data", "init_from", "lora_init", "merge", "save_dtype",
+         "save_max_shard_size", "eval_every")
 
 
 def shared(cfg: ServerConfig) -> dict:
@@ -37,7 +40,9 @@ def shared(cfg: ServerConfig) -> dict:
             "loss scale": [cfg.loss_scale, cfg.loss_scale_window] if cfg.precision == "fp16"
             else None,
             "model": {k: v for k, v in model.items() if k not in LOCAL},
-            "job": {k: v for k, v in job.items() if k not in LOCAL}}
+            "job": {k: v for k, v in job.items() if k not in LOCAL} | (
+                {"data": {k: v for k, v in job["data"].items() if k not in LOCAL}}
+                if isinstance(job.get("data"), dict) else {})}
 
 
 def differences(mine: dict, theirs: dict, where: str = "") -> list[str]:
@@ -102,7 +107,10 @@ def _compare(cfg: ServerConfig, every: list[dict]) -> None:
     """Every box compares every box with box 0 (so that all refuse, or none)."""
     me, first = cfg.boxes.node_rank, every[0]
     for r in range(1, len(every)):
-        if said := differences(first, every[r]):
+        # (an EPS started by hand knows no model or workers' options: those are not compared)
+        unknown = [k for k in ("model", "job") if not first.get(k) or not every[r].get(k)]
+        if said := differences(*({k: v for k, v in side.items() if k not in unknown}
+                                 for side in (first, every[r]))):
             who, than = (("this box", "box 0") if r == me else
                          (f"box {r}", "this box" if me == 0 else "box 0"))
             raise ValueError(f"{who} runs the job with other settings than {than}: "

@@ -65,6 +65,15 @@ def check_target(root: str) -> None:
                          "not writing into it")
 
 
+def _remove(path: str) -> None:
+    """A leftover of ours: a folder (an unfinished checkpoint) or a file (a pointer, a marker)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def check_model(root: str, manifest_hash: str) -> None:
     """Raise ValueError if ``root`` holds a checkpoint of another model than ``manifest_hash``:
     writing there would prune it (``keep``) and point ``latest`` at another model."""
@@ -136,7 +145,7 @@ def hold_root(root: str) -> bool:
     _held[root] = _lock(root)
     for n in os.listdir(root):  # what a killed writer left (on a full disk, it stays in the way)
         if _ours(n) and n != LOCK:
-            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+            _remove(os.path.join(root, n))
     return True
 
 
@@ -284,7 +293,7 @@ def _prune(root: str, current: str, keep: int) -> None:
     entries = os.listdir(root)
     for n in entries:
         if _ours(n) and n != LOCK:
-            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+            _remove(os.path.join(root, n))
     done = [n for n in entries if n.startswith(layout_on_disk.PREFIX)
             and os.path.isdir(os.path.join(root, n))]
     done.sort(key=lambda n: os.path.getmtime(os.path.join(root, n)), reverse=True)

@@ -71,10 +71,10 @@ class SaveOutcomes:
                                      final=final))
 
     def cut_off(self, step: int, path: str, error: str) -> None:
-        """A box was lost while the boxes wrote a checkpoint: not a failure of the disk (nor
-        counted as one, which --checkpoint-errors fail would stop the job for) but of the
-        boxes' group, which stops this EPS (BOX_LOST) for a restart from the last complete
-        checkpoint."""
+        """A box was lost while the boxes wrote a periodic checkpoint: not a failure of the
+        disk (nor counted as one, which --checkpoint-errors fail would stop the job for) but of
+        the boxes' group, which stops this EPS (BOX_LOST) for a restart from the last complete
+        checkpoint. (The final checkpoint's, at exit, is a failure: nothing restarts then.)"""
         found = latest(path)
         log.warning("checkpoint of step %d to %s cut off: %s; %s", step, path, error,
                     f"the latest complete one there is step {found[1]}" if found else
@@ -106,7 +106,5 @@ class SaveOutcomes:
         try:
             if write():
                 self.written(step, path, final=True)
-        except BoxLost as e:  # (shard mode: a box gone while they wrote it)
-            self.cut_off(step, path, describe(e))
-        except OSError as e:
-            self.failed(step, path, describe(e), final=True)
+        except (OSError, BoxLost) as e:  # (shard mode: a box gone while they wrote it; at
+            self.failed(step, path, describe(e), final=True)  # exit nothing restarts: a failure)

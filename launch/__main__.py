@@ -22,6 +22,7 @@ from protocol import cli
 from protocol.checkpoints import latest
 from protocol.lifecycle import REFUSED, skip_exit_collections
 from protocol.trace import merge
+from worker.config import DataConfig
 from worker.inputs import input_problems
 
 from .config import LaunchArgs, LaunchConfig
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch.plan:
         from .plan import plan_text  # builds the model's manifest: loads torch
 
-        try:
-            problems = input_problems(args.model, args.data)
+        try:  # (the model's files; the data may lie where the job will run: a container)
+            problems = input_problems(args.model, DataConfig())
             text = "" if any(problems) else plan_text(args)
         except ValueError as e:
             problems = [str(e)]

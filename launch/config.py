@@ -14,7 +14,7 @@ from worker.config import DataConfig, ModelConfig, WorkerConfig, check_save
 PER_WORKER = ("endpoint", "rank", "world_size", "box", "boxes", "save", "summary_json", "trace",
               "events", "log_level")
 PER_SERVER = ("endpoint", "world_size", "run_id", "exit_when_done", "trace", "events",
-              "log_level", "model_options")
+              "log_level", "model_options", "job_options")
 
 
 @dataclass(kw_only=True)

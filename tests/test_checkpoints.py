@@ -460,3 +460,10 @@ def test_a_box_lost_while_the_boxes_write_is_no_checkpoint_failure(tmp_path, cap
     assert "checkpoint of step 6 to" in caplog.text and "cut off" in caplog.text
     outcomes.settle(Saved(None, str(tmp_path), 7, "No space left on device", refused=True))
     assert [ev.step for ev in said] == [7] and outcomes.stats.checkpoint_failures == 1
+    from eps_server.boxes import BoxLost
+
+    def cut():
+        raise BoxLost("box 1 is gone")
+
+    outcomes.final(cut, 9, str(tmp_path))  # at exit nothing restarts: the final one failed
+    assert [(ev.step, ev.final) for ev in said[1:]] == [(9, True)]

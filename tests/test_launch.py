@@ -601,7 +601,8 @@ def test_the_plan_lists_the_tensors_freeze_names_and_refuses_as_a_job_would(tmp_
     """--freeze's errors point at --plan for the tensors' names, which it did not list; a
     mistake in a --plan was a traceback where the job's start says it in a line."""
     model = ["--model", "gpt", "--layers", "3", "--hidden", "32", "--heads", "2"]
-    p = subprocess.run([*LAUNCH, *model, "--tie-embeddings", "--freeze", "pre.*", "--plan"],
+    p = subprocess.run([*LAUNCH, *model, "--tie-embeddings", "--freeze", "pre.*", "--plan",
+                        "--data", "/data/in/train.bin"],  # (where a container will see it)
                        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
