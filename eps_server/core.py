@@ -336,7 +336,8 @@ class EpsCore(ControlRequests):
 
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
         if identity not in self.peers and self.peers.late_bye(  # (done: all of it, as below)
-                identity, msg.rank, msg.done and not self._mid_step(msg.rank)):
+                identity, msg.rank, msg.done and not (0 <= msg.rank < self.cfg.world_size
+                                                      and self._mid_step(msg.rank))):
             return [Out(identity, Ack(req_id=msg.req_id))]
         peer = self.peers.get(identity)
         if peer.worker and msg.rank != peer.rank:
