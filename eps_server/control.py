@@ -28,6 +28,18 @@ from .stats import model_memory, peak_memory_bytes
 log = logging.getLogger("eps_server")
 
 
+def set_hyper(cfg, registered: bool, msg: SetHyper) -> HyperAck:
+    """SetHyper's changes applied to ``cfg.optimizer`` (the core's, or the lobby's before the
+    model exists); its reply."""
+    check_control(cfg, registered)
+    check_one_box(cfg, "change hyperparameters")
+    try:
+        cfg.optimizer = with_changes(cfg.optimizer, msg.changes)
+    except (ValueError, TypeError) as e:
+        raise RequestError("bad_request", str(e), "changes") from None
+    return HyperAck(req_id=msg.req_id, optimizer=cfg.optimizer.as_dict())
+
+
 class ControlRequests:
     def _save(self, identity: bytes, msg: Save, frames) -> list[Out]:
         check_control(self.cfg, identity in self.peers)
@@ -42,14 +54,9 @@ class ControlRequests:
         return []
 
     def _set_hyper(self, identity: bytes, msg: SetHyper, frames) -> list[Out]:
-        check_control(self.cfg, identity in self.peers)
-        check_one_box(self.cfg, "change hyperparameters")
-        try:
-            self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
-        except (ValueError, TypeError) as e:
-            raise RequestError("bad_request", str(e), "changes") from None
+        ack = set_hyper(self.cfg, identity in self.peers, msg)
         log.info("hyperparameters changed: %s", msg.changes)  # used from the next update
-        return [Out(identity, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))]
+        return [Out(identity, ack)]
 
     def _stash_arena(self, identity: bytes, msg: StashArena, frames) -> list[Out]:
         peer = self.peers.worker(identity)

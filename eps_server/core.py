@@ -220,16 +220,15 @@ class EpsCore(ControlRequests):
         if self.store.retained_region is not None or self.broken is not None:
             return []
         step, pushed = self.data.resume_point(rank)
-        if not self._mid_step(rank):
+        if not self._mid_step(step, pushed):
             return []
         return self._break(f"rank {rank} left in the middle of step {step} ({len(pushed)} "
                            "of its layers pushed) and this server keeps no previous versions "
                            "(--recovery), so no replacement can redo its part: the job cannot "
                            f"finish; {self.saves.resume_hint()}", level)
 
-    def _mid_step(self, rank: int) -> bool:
-        """``rank`` has pushed part of the step it runs next."""
-        step, pushed = self.data.resume_point(rank)
+    def _mid_step(self, step: int, pushed: tuple[int, ...]) -> bool:
+        """A rank at this resume point (data.resume_point) has pushed part of its step."""
         return bool(pushed) or max(self.store.versions) > step
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
@@ -256,7 +255,7 @@ class EpsCore(ControlRequests):
         self.peers.check_free(rank, identity, key, msg.process)
         rejoined = rank in self.peers.ever
         step, pushed = self.data.resume_point(rank)
-        if self.store.retained_region is None and (pushed or max(self.store.versions) > step):
+        if self.store.retained_region is None and self._mid_step(step, pushed):
             raise RequestError("bad_request", f"rank {rank} cannot redo step {step} exactly: "
                                "its predecessor pushed layers of it, which may be updated while "
                                "they are read again, and this server keeps no previous "
@@ -337,13 +336,15 @@ class EpsCore(ControlRequests):
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
         if identity not in self.peers and self.peers.late_bye(  # (done: all of it, as below)
                 identity, msg.rank, msg.done and not (0 <= msg.rank < self.cfg.world_size
-                                                      and self._mid_step(msg.rank))):
+                                                      and self._mid_step(
+                                                          *self.data.resume_point(msg.rank)))):
             return [Out(identity, Ack(req_id=msg.req_id))]
         peer = self.peers.get(identity)
         if peer.worker and msg.rank != peer.rank:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
-        done = msg.done and not (peer.worker and self._mid_step(peer.rank))  # done: all of it
+        done = msg.done and not (peer.worker and self._mid_step(  # done: all of it
+            *self.data.resume_point(peer.rank)))
         self.peers.leave(identity, done)
         outs = self.data.fail_waiters(identity, "bad_request", f"rank {peer.rank} said Bye")
         if peer.worker and not done:  # a failure, or a job being stopped: a warning

@@ -20,7 +20,6 @@ from protocol.messages import (
     Ack,
     Bye,
     Hello,
-    HyperAck,
     Message,
     Save,
     SetHyper,
@@ -32,7 +31,8 @@ from protocol.tensors import Manifest
 from . import checkpoint, rendezvous
 from .box_settings import agree_on_settings
 from .boxes import CrossBox
-from .config import ServerConfig, with_changes
+from .config import ServerConfig
+from .control import set_hyper
 from .core import EpsCore
 from .errors import RequestError
 from .layer_store import LayerStore
@@ -169,13 +169,7 @@ class Lobby:
                 stats={**self.stats.snapshot(), **peak_memory_bytes(),
                        "lr": self.cfg.optimizer.lr}))
         if isinstance(msg, SetHyper):
-            check_control(self.cfg, peer in self.observers)
-            check_one_box(self.cfg, "change hyperparameters")
-            try:
-                self.cfg.optimizer = with_changes(self.cfg.optimizer, msg.changes)
-            except (ValueError, TypeError) as e:
-                raise RequestError("bad_request", str(e), "changes") from None
-            return Out(peer, HyperAck(req_id=msg.req_id, optimizer=self.cfg.optimizer.as_dict()))
+            return Out(peer, set_hyper(self.cfg, peer in self.observers, msg))
         if isinstance(msg, Save):
             check_control(self.cfg, peer in self.observers)
             check_one_box(self.cfg, "save")
