@@ -2,8 +2,10 @@
 that a worker's process has exited.
 
 A launcher sets ``L2L_PARENT_PID`` in a child's environment; the child calls
-``die_with_parent()`` at start-up, so it is sent SIGTERM (and cleans up) if the launcher dies,
-even by SIGKILL. Linux only (prctl, /proc); elsewhere it does nothing.
+``die_with_parent()`` at start-up, so it is sent a signal if the launcher dies, even by SIGKILL:
+SIGTERM for an EPS (it must unlink its shared memory), SIGKILL for a worker (it holds nothing
+to clean up, and a stopped process, e.g. by SIGSTOP or a debugger, never acts on SIGTERM).
+Linux only (prctl, /proc); elsewhere it does nothing.
 """
 
 from __future__ import annotations
@@ -33,17 +35,17 @@ def exit_status(code: int) -> str:
     return f"exited with status {code}"
 
 
-def die_with_parent() -> None:
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     parent = os.environ.get(ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         return
     if os.getppid() != int(parent):  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
 
 # -- process identity ------------------------------------------------------------------------

@@ -189,10 +189,12 @@ def test_a_worker_that_has_finished_ignores_sigterm(tmp_path):
 
 def test_a_killed_launcher_takes_its_children_along(tmp_path, reap):
     """Children die with their parent (PR_SET_PDEATHSIG): the EPS gets SIGTERM and unlinks
-    its shared memory even though the launcher had no chance to clean up."""
+    its shared memory even though the launcher had no chance to clean up; a worker gets
+    SIGKILL, which takes it also when it is stopped (SIGTERM would wait for a SIGCONT)."""
     p, endpoint, _ = start(tmp_path)
     reap.append(p)
     run_id = run_id_of(endpoint)
+    os.kill(worker_pid(endpoint, 1), signal.SIGSTOP)
     p.kill()
     p.wait()
     assert_nothing_left(endpoint, run_id)

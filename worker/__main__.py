@@ -34,7 +34,7 @@ def parse(argv: list[str] | None = None) -> WorkerArgs:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    die_with_parent()
+    die_with_parent(signal.SIGKILL)  # even when stopped; the EPS tells a killed process at once
     try:
         return run(args)
     finally:
