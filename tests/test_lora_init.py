@@ -151,6 +151,12 @@ def test_an_adapter_l2l_does_not_build_is_refused(tmp_path, config, given, why):
                       lora_rank=4, lora_targets="v_proj,q_proj", lora_dropout=0.1,
                       lora_modules_to_save="none")
     assert (cfg.lora_rank, cfg.lora_dropout, cfg.lora_modules_to_save) == (4, 0.1, "none")
+    # the adapter's dropout unless one is given (a given 0 turns it off)
+    init = _adapter(tmp_path, {"lora_dropout": 0.05})
+    assert ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init)).lora_dropout == 0.05
+    assert ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_init=str(init),
+                       lora_dropout=0.0).lora_dropout == 0.0
+    assert ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4).lora_dropout == 0.0
 
 
 def test_an_adapter_of_another_model_is_refused(tmp_path):

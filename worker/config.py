@@ -106,14 +106,15 @@ class ModelConfig:
     whose name ends with one of them, e.g. classifier, or embed_tokens,lm_head where they are
     not tied), saved with the adapter; auto: a sequence classifier's head (classifier, score;
     PEFT's SEQ_CLS task), so a new head learns; none: nothing."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+    lora_dropout: float = -1.0
+    """Dropout on the adapters' input (PEFT's lora_dropout); -1: the --lora-init adapter's,
+    else 0."""
     lora_init: str = ""
     """Start LoRA from this PEFT adapter directory (adapter_config.json and
     adapter_model.safetensors, as PEFT's save_pretrained or --save write them), as
     PeftModel.from_pretrained(base, DIR, is_trainable=True) does: its config sets the LoRA
     options (--lora-rank and the others may be left out; given, they must agree; a
-    --lora-dropout above 0 replaces the adapter's), its tensors are the adapters' (and modules
+    --lora-dropout given, 0 too, replaces the adapter's), its tensors are the adapters' (and modules
     to save's) initial values."""
     merge: bool = False
     """With LoRA: --save (and l2l-export) write the whole model with the adapter merged into
@@ -149,6 +150,8 @@ class ModelConfig:
             from .lora_options import resolve
 
             resolve(self)
+        if self.lora_dropout == -1:  # not given, and no adapter to take it from
+            self.lora_dropout = 0.0
         if self.lora_rank < 0 or not 0 < self.lora_alpha < float("inf") or not (
                 0 <= self.lora_dropout < 1):
             raise ValueError("lora_rank must be >= 0, lora_alpha > 0 (finite), lora_dropout in "
@@ -160,7 +163,7 @@ class ModelConfig:
             raise ValueError("--merge merges a LoRA adapter: give --lora-rank")
         if self.lora_target_parameters.strip() and not self.lora_rank:
             raise ValueError("--lora-target-parameters adapts parameters: give --lora-rank")
-        if self.lora_target_parameters.strip() and (self.lora_dropout or self.lora_dora):
+        if self.lora_target_parameters.strip() and (self.lora_dropout > 0 or self.lora_dora):
             raise ValueError("--lora-target-parameters does not go with --lora-dropout or "
                              "--lora-dora (PEFT's target_parameters refuses them too)")
         if self.lora_layers.strip() and (not self.lora_rank or

@@ -194,5 +194,5 @@ def resolve(cfg) -> None:
                              "its adapter_config.json decides; leave the option out")
         if given == defaults[name]:
             setattr(cfg, name, value)
-    if not cfg.lora_dropout:
+    if cfg.lora_dropout == -1:  # not given: the adapter's (a given 0 turns it off)
         cfg.lora_dropout = dropout
