@@ -102,7 +102,12 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
     if saved and {**saved, "states": cfg.optimizer.states} != cfg.optimizer.as_dict():
         log.warning("the checkpoint was trained with optimizer settings %s; continuing with "
                     "the ones given now: %s", saved, cfg.optimizer.as_dict())
-    core.scheduler.scaler.restore(loaded.state.get("loss_scaler", {}))
+    trained_in = loaded.state.get("precision", cfg.precision)
+    if trained_in == "fp16":  # a scale found for this model in fp16 (GradScaler's state)
+        core.scheduler.scaler.restore(loaded.state.get("loss_scaler", {}))
+    elif cfg.precision == "fp16":
+        log.info("the checkpoint was trained in %s: the loss scale starts at --loss-scale %g",
+                 trained_in, cfg.loss_scale)
     step = int(loaded.state["step"])
     for layer in range(core.store.num_layers):
         core.store.publish(layer)

@@ -47,6 +47,8 @@ class LossScaler:
         return {"scale": self.scale, "good_steps": self.good_steps}
 
     def restore(self, state: dict) -> None:
+        if not self.enabled:  # (bf16/fp32 compute: the scale stays 1)
+            return
         self.scale = state.get("scale", self.scale)
         self.good_steps = state.get("good_steps", 0)
 

@@ -232,6 +232,28 @@ def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(t
     assert resolve(str(root)) not in (older, newest)  # the older one, written again
 
 
+def test_the_loss_scale_is_restored_only_from_a_checkpoint_trained_in_fp16(tmp_path):
+    """An fp16 run resumed in fp16 goes on with its scale (GradScaler's state); from a bf16 or
+    fp32 checkpoint (whose disabled scaler says 1) it starts at --loss-scale, and a run
+    resumed in bf16 from an fp16 checkpoint scales nothing."""
+    roots = {}
+    for precision in ("fp16", "bf16"):
+        h = Harness(1, precision=precision, loss_scale=512.0)
+        try:
+            h.bootstrap(grad_dtype="compute")
+            roots[precision], base = save(h, tmp_path / precision), h.cfg
+        finally:
+            h.close()
+    for trained_in, precision, scale in (("fp16", "fp16", 512.0), ("bf16", "fp16", 1024.0),
+                                         ("fp16", "bf16", 1.0)):
+        cfg = replace(base, precision=precision, loss_scale=1024.0)
+        core = load_core(cfg, roots[trained_in], cfg.run_id)
+        try:
+            assert core.scheduler.scaler.scale == scale, (trained_in, precision)
+        finally:
+            core.close(final_save=False)
+
+
 def test_a_checkpoint_records_its_moments_dtype_and_loads_into_the_other(tmp_path):
     """--optimizer-states: a checkpoint holds the moments in their dtype and says which; loaded
     by a server of the other kind they are converted (bf16 -> fp32 exactly, fp32 -> bf16
