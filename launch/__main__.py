@@ -251,6 +251,11 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
         say(f"l2l-launch: warning: {done} completed, but "
             f"{len(summary['checkpoint_failures'])} checkpoint(s) failed (last: "
             f"{last['error']}); {good}", sys.stderr)
+    skipped = summary["eps"].get("overflow_steps", 0)
+    if code == 0 and skipped and skipped >= summary["steps"]:  # AMP would skip them too
+        say(f"l2l-launch: warning: every step's gradient overflowed in fp16 and was skipped: "
+            f"the weights did not change (loss scale {summary['eps'].get('loss_scale', 1):g}; "
+            "try a lower --loss-scale, or --precision bf16)", sys.stderr)
     if code == 0:
         peak = max((w["peak_memory_bytes"] for w in summary["workers"]), default=0)
         final = summary["losses"][-1] if summary["losses"] else float("nan")
@@ -316,6 +321,9 @@ def summary_rows(s: dict, logs: str) -> list[tuple[str, str]]:
     if eps.get("clipped_steps") or eps.get("rollbacks"):
         rows.append(("clipped steps", f"{eps['clipped_steps']} ({eps['rollbacks']} layer "
                      "updates rolled back)"))
+    if eps.get("overflow_steps"):
+        rows.append(("fp16 overflows", f"{eps['overflow_steps']} steps skipped (loss scale now "
+                     f"{eps.get('loss_scale', 1):g})"))
     if s["restarts"]:
         rows.append(("restarts", str(len(s["restarts"]))))
     rows.append(("logs", logs))

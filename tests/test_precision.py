@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -168,6 +169,20 @@ def launch(tmp_path, name, *args):
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     return json.loads(summary.read_text())
+
+
+def test_a_run_whose_every_step_overflows_says_so(tmp_path):
+    """AMP skips an overflowing step, and so does l2l; a run that skipped all of them (its loss
+    scale absurd) still ends, but says that its weights did not change, and the summary counts
+    the skipped steps and the scale."""
+    p = subprocess.run([sys.executable, "-m", "launch", "--runs-dir", str(tmp_path / "runs"),
+                        "--endpoint", f"ipc://{tmp_path}/e.sock", "--workers", "1", "--steps",
+                        "3", *SMALL, "--precision", "fp16", "--loss-scale", str(2.0 ** 100)],
+                       env=ENV, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "every step's gradient overflowed in fp16 and was skipped" in p.stderr, p.stderr
+    assert re.search(r"fp16 overflows\s+3 steps skipped \(loss scale now 1\.58456e\+29\)",
+                     p.stdout), p.stdout
 
 
 # Slow (3 runs of 60 steps): the default set has bf16 end to end in test_freeze.py's
