@@ -58,7 +58,11 @@ class SaveOutcomes:
             log.info("%s of step %d written to %s", what, step, path)
         self._failing = 0
 
-    def failed(self, step: int, path: str, error: str, final: bool = False) -> None:
+    def failed(self, step: int, path: str, error: str, final: bool = False,
+               requested: bool = False) -> None:
+        """Logged and counted; the launcher is told of the job's own checkpoints only (a
+        requested one, l2l-ctl save's, was answered with the error: it does not fail the job
+        under --checkpoint-errors fail, nor is it a checkpoint the job lacks)."""
         self.stats.checkpoint_failures += 1
         self._failing += 1
         found = latest(path)
@@ -67,8 +71,9 @@ class SaveOutcomes:
                   "checkpoint", step, path, error,
                   f"the latest good one there is step {last} ({found[0]})" if found else
                   "there is no good one there yet")
-        self.notify(CheckpointFailed(step=step, path=path, error=error, last_step=last,
-                                     final=final))
+        if not requested:
+            self.notify(CheckpointFailed(step=step, path=path, error=error, last_step=last,
+                                         final=final))
 
     def cut_off(self, step: int, path: str, error: str) -> None:
         """A box was lost while the boxes wrote a periodic checkpoint: not a failure of the
@@ -88,7 +93,7 @@ class SaveOutcomes:
         elif saved.lost:
             self.cut_off(saved.step, saved.path, saved.error)
         else:
-            self.failed(saved.step, saved.path, saved.error)
+            self.failed(saved.step, saved.path, saved.error, requested=saved.requester is not None)
         who = saved.requester
         if who is None:
             return []

@@ -330,7 +330,6 @@ def test_a_save_the_os_refuses_is_an_error_reply_and_leaves_the_last_checkpoint(
     import errno
     import logging
 
-    from protocol.events import CheckpointFailed
     from protocol.messages import Ack, Error, Save
 
     h = trained
@@ -361,8 +360,9 @@ def test_a_save_the_os_refuses_is_an_error_reply_and_leaves_the_last_checkpoint(
     assert sorted(os.listdir(root)) == sorted([checkpoint.LOCK, LATEST, "step-00000001"])
     assert resolve(str(root)) == good and checkpoint.read_meta(str(root)).state["step"] == 1
     assert h.core.stats.checkpoint_failures == 1 and h.core.stats.checkpoints_written == 0
-    assert events == [CheckpointFailed(step=1, path=str(root), error=refused.message.split(
-        "failed: ")[1], last_step=1)]
+    # answered with the error, and not one of the job's checkpoints: the launcher is not told
+    # (a failed l2l-ctl save must not fail a job run with --checkpoint-errors fail)
+    assert events == []
 
     monkeypatch.setattr(checkpoint, "write_safetensors", real)
     h.send(0, Save(req_id=32, path=str(root)))
