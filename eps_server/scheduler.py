@@ -90,6 +90,7 @@ class StepCheck:
     sent: set[int] = field(default_factory=set)  # layers whose Update was sent, or skipped
     stats: dict[int, LayerStats] = field(default_factory=dict)
     kept: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict)  # -> speculated
+    seconds: dict[int, float] = field(default_factory=dict)  # per layer: its jobs' time so far
 
 
 class UpdateScheduler:
@@ -187,8 +188,10 @@ class UpdateScheduler:
             self.rewriting.discard(job.layer)
         check = self._steps.get(job.t)
         if check is None:
-            self._published_by_job(job.layer, job.t, done.seconds)
+            self.stats.update_latency.observe(done.seconds)
+            self._advance(job.layer, job.t)
             return
+        check.seconds[job.layer] = done.seconds  # observed once the decision is carried out
         if result.kept is not None:
             check.kept[job.layer] = (result.kept, result.rewritten)
         self._collect(check, job.layer, LayerStats(checked.finite, checked.norm_sq))
@@ -200,11 +203,13 @@ class UpdateScheduler:
         self.stats.update_seconds += done.seconds
         if job.verdict is not Verdict.APPLY:
             self.stats.rollback_seconds += done.seconds
-        self._published_by_job(job.layer, job.t, done.seconds)
+        check = self._steps.get(job.t)
+        self._observe(done.seconds + (check.seconds.pop(job.layer, 0.0) if check else 0.0))
+        self._advance(job.layer, job.t)
 
-    def _published_by_job(self, layer: int, t: int, seconds: float) -> None:
+    def _observe(self, seconds: float) -> None:
+        """A layer's update of a step took ``seconds`` (its Update, and its Resolve if any)."""
         self.stats.update_latency.observe(seconds)
-        self._advance(layer, t)
 
     def _advance(self, layer: int, t: int) -> None:
         """Layer ``layer`` is done with step ``t``: version t+1 is due. --recovery: a layer no
@@ -234,9 +239,12 @@ class UpdateScheduler:
         for layer in range(self.num_layers):  # layer 0 first: the next step starts there
             kept, speculated = check.kept.pop(layer, (None, False))
             if kept is None:  # skipped by every rank, or not finite: nothing was written
+                if layer in check.seconds:  # (its check ran)
+                    self._observe(check.seconds.pop(layer))
                 self._advance(layer, t)
             elif speculated and divisor == scale or not speculated and divisor is None:
                 self.engines.layers[layer].release(kept)  # a right guess, or a skipped hold
+                self._observe(check.seconds.pop(layer, 0.0))
                 self._advance(layer, t)
             else:
                 verdict = (Verdict.APPLY if not speculated else

@@ -578,6 +578,8 @@ def test_eager_global_clipping_equals_deferred(make, world_size):
         s = h.core.stats
         assert s.clipped_steps == 3 and s.overflow_steps == 0
         assert s.rollbacks == (2 + 1 if update == "eager" else 0)
+        # one observation of a layer's update time per update, whatever the decision
+        assert sum(s.update_latency.counts) == s.updates == len(scales) * L
     for a, b in zip(got["eager"], got["deferred"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
 
@@ -601,6 +603,7 @@ def test_eager_fp16_overflow_skips_the_whole_step_as_deferred(make):
         # eager updated layers 2 and 1 of step 1 early; layer 0's overflow takes them back
         # (layer 0, not finite, is never written); step 2's layer 2 alone is over the clip
         assert s.rollbacks == (L - 1 if update == "eager" else 0)
+        assert sum(s.update_latency.counts) == s.updates == len(scales) * L
     for a, b in zip(got["eager"], got["deferred"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
 
