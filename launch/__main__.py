@@ -30,15 +30,29 @@ from .console import Console, say, table
 from .launcher import READY_TIMEOUT, Launcher
 from .results import resume_hint
 from .roles import exports_checkpoint, run_role, server_config, under_torchrun, worker_args
-from .rundir import private_run_dir, publish_endpoint, withdraw_endpoint
+from .rundir import (
+    private_run_dir,
+    publish_endpoint,
+    remove_run_dir,
+    running_jobs,
+    withdraw_endpoint,
+)
 
 
 def build(args: LaunchArgs) -> Launcher:
     """Write each child's typed config into a private run directory; the command lines name
     it, plus the endpoint and rank (so ``ps`` tells the processes apart)."""
+    run_dir = private_run_dir()
+    try:
+        return _build(args, run_dir)
+    except BaseException:  # (a disk that refuses the run's files)
+        remove_run_dir(run_dir)
+        raise
+
+
+def _build(args: LaunchArgs, run_dir: str) -> Launcher:
     a = args.launch
     run_id = a.run_id or secrets.token_hex(4)
-    run_dir = private_run_dir()
     endpoint = a.endpoint or f"ipc://{run_dir}/eps.sock"
     py = sys.executable
     server = server_config(args, endpoint, run_id,
@@ -170,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         return REFUSED
     if note := earlier_checkpoints(args):
         print(f"l2l-launch: {note}", file=sys.stderr)
-    return train(args)[0]
+    try:
+        return train(args)[0]
+    except OSError as e:  # the run's own files (a full disk): one line, not a traceback
+        print(f"l2l-launch: failed: {e}", file=sys.stderr)
+        return 1
 
 
 def earlier_checkpoints(args: LaunchArgs) -> str:
@@ -187,10 +205,17 @@ def earlier_checkpoints(args: LaunchArgs) -> str:
 
 
 def output_problem(args: LaunchArgs) -> str:
-    """Why the job's outputs (--summary-json, --save) cannot be written, or ""."""
+    """Why the job's outputs (--summary-json, --save, the run's folder) cannot be written, or
+    ""."""
     if exports_checkpoint(args) and not args.server.save:
         return ("--save in --eps-mode shard with bf16/fp16 needs --server-save: the fp32 "
                 "master is spread over the boxes, and box 0 exports the final checkpoint")
+    a = args.launch
+    if a.run_id and a.run_id in running_jobs(a.runs_dir):  # (before its folder is touched)
+        return (f"--run-id {a.run_id}: a job of this run id runs under {a.runs_dir} (l2l-ctl "
+                f"status --run {a.run_id}); give another")
+    if problem := unfit_runs_dir(a.runs_dir):
+        return f"--runs-dir {a.runs_dir}: {problem}"
     hf = args.model.model.startswith("hf:")  # saved as a directory; other models as a file
     for option, path in (("--summary-json", args.launch.summary_json),
                          ("--save", args.launch.save)):
@@ -199,6 +224,15 @@ def output_problem(args: LaunchArgs) -> str:
         if problem:
             return f"{option} {path}: {problem}"
     return ""
+
+
+def unfit_runs_dir(path: str) -> str:
+    """Why the runs' folder cannot hold this run's logs and files, or ""."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot make it: {e.strerror}"
+    return "" if os.access(path, os.W_OK | os.X_OK) else "not writable"
 
 
 def unfit_folder(path: str, source: str) -> str:
@@ -242,6 +276,9 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
             except OSError as e:
                 say(f"l2l-launch: could not write the summary to {path}: {e}", sys.stderr)
                 code = code or 1
+    if problem := launcher.console.log_error or launcher.log_failed:
+        say(f"l2l-launch: warning: some of the children's log lines could not be kept in "
+            f"{logs}: {problem}", sys.stderr)
     if code == 0 and summary["checkpoint_failures"]:  # --checkpoint-errors warn
         last = summary["checkpoint_failures"][-1]
         found = latest(last["path"])  # (now: later ones may have been written since)

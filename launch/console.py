@@ -49,6 +49,7 @@ class Console:
         self._loss: float | None = None
         self.errors: dict[str, str] = {}  # each child's last error line (--quiet shows them)
         self._bar: tqdm | None = None
+        self.log_error: OSError | None = None  # the first write the logs' disk refused
         os.makedirs(log_dir, exist_ok=True)
 
     # ------------------------------------------------------------------------- logs
@@ -57,11 +58,15 @@ class Console:
         """One line of a child's stdout or stderr."""
         line = line.rstrip("\n")
         with self._lock:
-            f = self._files.get(name)
-            if f is None:
-                f = self._files[name] = open(os.path.join(self.log_dir, f"{name}.log"), "a",
-                                             buffering=1, encoding="utf-8", errors="replace")
-            f.write(line + "\n")
+            try:  # (a full disk loses log lines, not the job: said once it ends)
+                f = self._files.get(name)
+                if f is None:
+                    f = self._files[name] = open(os.path.join(self.log_dir, f"{name}.log"),
+                                                 "a", buffering=1, encoding="utf-8",
+                                                 errors="replace")
+                f.write(line + "\n")
+            except OSError as e:
+                self.log_error = self.log_error or e
             if FATAL.search(line):
                 self.errors[name] = line[-500:]
             if TRACEBACK.match(line):
@@ -132,7 +137,10 @@ class Console:
                     self._bar.close()
                 self._bar = None
             for f in self._files.values():
-                f.close()
+                try:
+                    f.close()  # (flushes: the disk may refuse the rest now)
+                except OSError as e:
+                    self.log_error = self.log_error or e
             self._files.clear()
 
 

@@ -22,7 +22,6 @@ EPS's last checkpoint (--server-save), losing the steps after it, also if it die
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -38,6 +37,7 @@ from .children import Child, reaped, signal_group, stop
 from .console import Console
 from .reports import Reports
 from .results import checkpoint_failure, eval_line
+from .rundir import remove_run_dir
 
 READY_TIMEOUT = 120.0
 STOP_GRACE = 10.0
@@ -68,7 +68,7 @@ class Launcher:
         self._ready_step = 0  # the step the EPS serves from (Ready: a resumed checkpoint's)
         self._lock = threading.Lock()
         self.failure: str | None = None
-        self._log_failed: Exception | None = None  # a child log line that could not be kept
+        self.log_failed: Exception | None = None  # a child log line the console could not take
         self.eps_stats: dict = {}
 
     # ------------------------------------------------------------------------- children
@@ -83,6 +83,9 @@ class Launcher:
                                     errors="replace",  # an odd byte must not kill the reader
                                     pass_fds=(write_fd,),
                                     start_new_session=True)  # Ctrl-C reaches only the launcher
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)  # the child holds it now: EOF when the child is gone
         child = Child(name, proc)
@@ -101,7 +104,7 @@ class Launcher:
                 try:
                     self.console.log(name, line)
                 except Exception as e:  # e.g. the disk is full: the job goes on
-                    self._log_failed = self._log_failed or e
+                    self.log_failed = self.log_failed or e
 
     def _events(self, name: str, stream) -> None:
         with stream:
@@ -370,4 +373,4 @@ class Launcher:
 
     def cleanup(self) -> None:
         """Remove the run's private directory (socket, per-worker summaries)."""
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        remove_run_dir(self.run_dir)

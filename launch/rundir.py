@@ -19,7 +19,7 @@ import tempfile
 PREFIX = "l2l-run-"
 LOCK = "launcher.lock"
 ENDPOINT = "endpoint"
-_held: list[int] = []  # this process's run directories' locks (open for its life)
+_held: dict[str, int] = {}  # this process's run directories -> their locks (open till removed)
 _published: dict[str, int] = {}  # endpoint file -> its lock, held while the job runs
 
 
@@ -37,8 +37,17 @@ def private_run_dir() -> str:
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, str(os.getpid()).encode())
     os.rename(os.path.join(path, LOCK + ".new"), os.path.join(path, LOCK))
-    _held.append(fd)
+    _held[path] = fd
     return path
+
+
+def remove_run_dir(path: str) -> None:
+    """Remove a run directory of this process, and let its lock go (a process that runs many
+    jobs, e.g. a sweep through l2l.run, must not keep a descriptor per job)."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def publish_endpoint(log_dir: str, endpoint: str) -> None:

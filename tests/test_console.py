@@ -79,6 +79,56 @@ def test_children_logs_go_to_files_and_only_warnings_reach_the_console(tmp_path,
     assert "[eps] x INFO y" in capsys.readouterr().err
 
 
+def test_a_disk_that_refuses_the_logs_loses_lines_not_the_job(tmp_path, capsys):
+    """A full disk (/dev/full) under a child's log: its lines are lost, the error kept for the
+    launcher to say once the job ends; the other logs and the console go on."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink("/dev/full", run / "w0.log")
+    c = Console(1, str(run), out=io.StringIO(), tty=False)
+    c.log("w0", "2026-01-01 l2l-worker[0] ERROR lost on the disk\n")
+    c.log("eps", "2026-01-01 eps-server INFO kept\n")
+    c.close()
+    assert isinstance(c.log_error, OSError) and "No space left" in str(c.log_error)
+    assert (run / "eps.log").read_text() == "2026-01-01 eps-server INFO kept\n"
+    assert "[w0] 2026-01-01 l2l-worker[0] ERROR lost on the disk" in capsys.readouterr().err
+    assert c.errors["w0"].endswith("ERROR lost on the disk")
+
+
+def test_a_run_id_in_use_or_an_unusable_runs_dir_is_refused_before_anything(tmp_path):
+    """A second job given a running job's --run-id would write over that job's config.json
+    and withdraw its endpoint file (l2l-ctl could no longer find it); a --runs-dir that
+    cannot be made or written failed with a traceback: each is refused before any file of the
+    run is written, with nothing left behind."""
+    import glob
+    import os
+
+    from launch.rundir import base_dir, publish_endpoint, withdraw_endpoint
+
+    runs = tmp_path / "runs"
+    publish_endpoint(str(runs / "busy"), "ipc:///elsewhere")  # a job that runs
+    (runs / "busy" / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("")
+    before = set(glob.glob(os.path.join(base_dir(), "l2l-run-*")))
+    try:
+        for args, why in ((["--run-id", "busy"], "--run-id busy: a job of this run id runs "
+                           f"under {runs}"),
+                          (["--runs-dir", str(tmp_path / "file" / "r")], "cannot make it"),):
+            p = subprocess.run([sys.executable, "-m", "launch", "--endpoint",
+                                f"ipc://{tmp_path}/e.sock", "--runs-dir", str(runs), *SMALL,
+                                "--steps", "2", *args], env=ENV, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+            assert p.returncode == 2 and why in p.stderr, p.stderr
+            assert "Traceback" not in p.stderr
+        assert (runs / "busy" / "config.json").read_text() == "{}"
+        assert (runs / "busy" / "endpoint").read_text() == "ipc:///elsewhere\n"
+        assert set(glob.glob(os.path.join(base_dir(), "l2l-run-*"))) <= before
+    finally:
+        withdraw_endpoint(str(runs / "busy"))
+
+
 def test_a_job_keeps_its_logs_config_and_summary_in_its_run_directory(tmp_path):
     p, s, _ = launch(tmp_path, "--workers", "2", "--steps", "6", *SMALL, "--log-every", "5")
     assert p.returncode == 0, p.stderr

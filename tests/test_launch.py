@@ -218,21 +218,28 @@ def test_workers_start_with_the_eps_only_when_they_wait_for_it_long_enough(
         tmp_path, monkeypatch, timeout, early):
     """Workers start beside the EPS (their start-up overlaps its own) when their --eps-timeout
     covers the time the EPS may take to be ready; otherwise once it is ready, as a short
-    timeout must not count the EPS's start-up."""
-    import shutil
-
+    timeout must not count the EPS's start-up. A launcher's clean-up lets go of its run
+    directory's lock: a process that runs job after job (l2l.run in a sweep) keeps no
+    descriptor per job."""
     from launch.__main__ import build
     from launch.config import LaunchArgs
+    from launch.rundir import withdraw_endpoint
     from protocol import cli
 
     monkeypatch.chdir(tmp_path)
     args = cli.parse(LaunchArgs, ["--workers", "2", *SMALL,
                                   *(["--eps-timeout", timeout] if timeout else [])], "l2l-launch")
-    launcher = build(args)
-    try:
-        assert launcher.early_workers is early
-    finally:
-        shutil.rmtree(launcher.run_dir, ignore_errors=True)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        launcher = build(args)
+        try:
+            assert launcher.early_workers is early
+        finally:
+            launcher.cleanup()
+            withdraw_endpoint(launcher.console.log_dir)
+            launcher.console.close()
+        assert not os.path.exists(launcher.run_dir)
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_a_restarted_eps_that_dies_as_it_starts_is_restarted_again(tmp_path):
