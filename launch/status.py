@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -124,3 +125,5 @@ def watch(client, interval: float, json_lines: bool) -> None:
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:  # its reader went away (| head): the watch ends, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

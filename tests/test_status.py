@@ -63,6 +63,16 @@ def test_status_shows_workers_and_layers_of_a_running_job(cluster):
     tables.terminate()  # into a pipe, each poll's table was written out as it came
     out, err = tables.communicate(timeout=30)
     assert out.count("last update") >= 2, (out, err)
+    # a reader that goes away (| head -1) ends the watch quietly
+    head = subprocess.Popen([*ctl, "--watch", "--json", "--interval", "0.2"], env=ENV, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(head.stdout.readline())["step"] >= 0
+        head.stdout.close()
+        err = head.stderr.read()
+        assert head.wait(timeout=30) == 0 and "Traceback" not in err and "Broken" not in err, err
+    finally:
+        head.kill()
     w.kill()
 
 
