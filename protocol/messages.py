@@ -13,6 +13,7 @@ from typing import ClassVar
 from .box_info import BoxInfo
 from .lifecycle import IDENTITY
 from .tensors import ITEMSIZES, Manifest
+from .worker_info import WorkerInfo, WorkerReport
 
 PROTOCOL_VERSION = 7  # what each version added: SPEC.md, "Versions"
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
@@ -296,40 +297,6 @@ class StatusReply(Message):
     workers: tuple[WorkerInfo, ...] = ()
     updated_ms: tuple[int, ...] = ()  # per layer: ms since its version last changed (-1: never)
     boxes: tuple[BoxInfo, ...] = field(default=(), metadata={"omit_default": True})  # --nodes
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
-    """A registered worker, as StatusReply shows it."""
-
-    rank: int
-    pid: int
-    host: str
-    step: int  # the step it is in (the first the EPS lacks some of its gradients for)
-    silent: float  # seconds since it was last heard from
-    report: WorkerReport | None = None  # its latest, from its heartbeats
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerReport:
-    """How a worker is doing, as of its last finished step (sent with its heartbeats; the EPS
-    shows it in StatusReply and its metrics). Times in seconds, memory in bytes."""
-
-    steps: int  # steps this worker finished (its last one is steps - 1)
-    loss: float  # its micro-batches' mean loss in its last step
-    step_seconds: float  # wall time of its last step
-    fetch_wait: float  # ... of it spent waiting for weights
-    push_wait: float  # ... of it spent waiting for gradient slots / push acks
-    samples_per_sec: float  # over its steps so far
-    memory: int  # device memory in use now (CPU: private RSS)
-    peak_memory: int  # the most it has used
-
-    def __post_init__(self) -> None:
-        _require(self.steps >= 0, "steps", "must be >= 0")
-        for name in ("step_seconds", "fetch_wait", "push_wait", "samples_per_sec"):
-            _require(0.0 <= getattr(self, name) < 1e12, name, "must be in [0, 1e12)")
-        _require(0 <= self.memory < 1 << 62 and 0 <= self.peak_memory < 1 << 62, "memory",
-                 "out of range")
 
 
 @message(13)
