@@ -261,6 +261,7 @@ class EpsCore(ControlRequests):
                                "they are read again, and this server keeps no previous "
                                "versions (start it with --recovery); "
                                f"{self.saves.resume_hint('the job')}")
+        data_step, data_samples = self.scheduler.data.joined(msg.samples_per_step)
         init_layers = ()
         if rank == self.initialiser:  # a restarted initialiser finishes the job
             init_layers = tuple(i for i, v in enumerate(self.store.versions)
@@ -285,7 +286,7 @@ class EpsCore(ControlRequests):
             master=self.store.master_info(), compute=self.store.compute_info(),
             grad_slots=self.cfg.grad_slots, grad_slot_numel=self.store.layout.max_trainable_numel,
             world_size=self.cfg.world_size, optimizer=self.cfg.optimizer.as_dict(),
-            rank=rank, **transport.welcome()))]
+            rank=rank, data_step=data_step, data_samples=data_samples, **transport.welcome()))]
 
     def _init(self, identity: bytes, msg: InitLayer, frames) -> list[Out]:
         peer = self.peers.worker(identity)

@@ -27,16 +27,15 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-
-import torch
 
 from protocol import checkpoints as layout_on_disk
 
 from . import checkpoint
 from .boxes import BoxLost
-from .config import OptimizerConfig, ServerConfig
+from .config import ServerConfig
+from .data_position import DataPosition
 from .engines import Engines
 from .jobs import (
     Action,
@@ -52,7 +51,7 @@ from .jobs import (
 )
 from .layer_store import LayerStore
 from .saving import describe
-from .speculation import StepNorms
+from .speculation import StepCheck, StepNorms
 from .stats import EpsStats
 from .updater import LayerStats, LossScaler, deferred_divisor
 
@@ -79,20 +78,6 @@ class Saved:
     lost: bool = False  # shard mode: a box was lost while they wrote it (no disk's fault)
 
 
-@dataclass
-class StepCheck:
-    """A validated step while its layers come in."""
-
-    t: int
-    cfg: OptimizerConfig  # one setting for the whole step, whatever SetHyper does
-    norms: StepNorms  # for the guesses (eager)
-    scale: float | None = None  # its loss scale, read once step t-1 is done (first update)
-    sent: set[int] = field(default_factory=set)  # layers whose Update was sent, or skipped
-    stats: dict[int, LayerStats] = field(default_factory=dict)
-    kept: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict)  # -> speculated
-    seconds: dict[int, float] = field(default_factory=dict)  # per layer: its jobs' time so far
-
-
 class UpdateScheduler:
     def __init__(self, cfg: ServerConfig, store: LayerStore, engines: Engines, stats: EpsStats,
                  run_id: str):
@@ -117,6 +102,7 @@ class UpdateScheduler:
         self._last_saved: dict[str, tuple] = {}  # root -> (step, settings) last written there
         self._last_step = time.perf_counter()
         self.model = cfg.model_record  # the job's model options, opaque: for l2l-export
+        self.data = DataPosition()
 
     # -- updates -----------------------------------------------------------------------
 
@@ -362,6 +348,7 @@ class UpdateScheduler:
         final checkpoint of that step with the same settings there would only repeat it (and
         prune it). (An older one loaded is written again: it becomes the latest.)"""
         self.model = self.model if self.model is not None else state.get("model")
+        self.data.loaded(step, state)
         root = os.path.dirname(os.path.abspath(directory))
         try:
             if os.path.realpath(layout_on_disk.resolve(root)) != os.path.realpath(directory):
@@ -373,8 +360,9 @@ class UpdateScheduler:
 
     def checkpoint_extra(self) -> dict:
         extra = {"run_id": self.run_id, "optimizer": self.cfg.optimizer.as_dict(),
-                 "precision": self.cfg.precision, "loss_scaler": self.scaler.state()}
-        return extra if self.model is None else {**extra, "model": self.model}
+                 "precision": self.cfg.precision, "loss_scaler": self.scaler.state(),
+                 "data": self.data.record(self.store.step), "model": self.model}
+        return {k: v for k, v in extra.items() if v is not None}
 
     def final_checkpoint(self, path: str) -> bool | None:
         """At exit, with the engines stopped: write the last state, unless a step is half

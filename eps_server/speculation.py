@@ -26,8 +26,12 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from .updater import clip_coefficient
+import torch
+
+from .config import OptimizerConfig
+from .updater import LayerStats, clip_coefficient
 
 
 class StepNorms:
@@ -60,3 +64,17 @@ class StepNorms:
                 total += n
         return math.isfinite(total) and clip_coefficient(
             math.sqrt(total), self.clip, self.scale) == 1.0
+
+
+@dataclass
+class StepCheck:
+    """A validated step while its layers come in."""
+
+    t: int
+    cfg: OptimizerConfig  # one setting for the whole step, whatever SetHyper does
+    norms: StepNorms  # for the guesses (eager)
+    scale: float | None = None  # its loss scale, read once step t-1 is done (first update)
+    sent: set[int] = field(default_factory=set)  # layers whose Update was sent, or skipped
+    stats: dict[int, LayerStats] = field(default_factory=dict)
+    kept: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict)  # -> speculated
+    seconds: dict[int, float] = field(default_factory=dict)  # per layer: its jobs' time so far

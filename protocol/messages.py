@@ -15,7 +15,7 @@ from .lifecycle import IDENTITY
 from .tensors import ITEMSIZES, Manifest
 from .worker_info import WorkerInfo, WorkerReport
 
-PROTOCOL_VERSION = 7  # what each version added: SPEC.md, "Versions"
+PROTOCOL_VERSION = 8  # what each version added: SPEC.md, "Versions"
 ANY_RANK = -1  # Hello.rank: take the lowest free rank (workers started as identical replicas)
 
 ROLES = ("worker", "observer")  # an observer (l2l-ctl) sends control requests, holds no rank
@@ -124,6 +124,7 @@ class Hello(Message):
     host: str = ""
     role: str = "worker"
     process: str = ""  # lifecycle.process_identity(): "" if it cannot be told
+    samples_per_step: int = 0  # every worker's micro-batches of a step (0: not said)
 
     def check(self) -> None:
         _require(self.role in ROLES, "role", f"must be one of {ROLES}")
@@ -134,6 +135,7 @@ class Hello(Message):
         _require(self.grad_dtype in (*ITEMSIZES, "compute"), "grad_dtype",
                  f"must be one of {sorted(ITEMSIZES)} or 'compute'")
         _require(len(self.manifest_hash) <= 100, "manifest_hash", "too long")
+        _require(0 <= self.samples_per_step < 1 << 40, "samples_per_step", "out of range")
         _require(len(self.host) <= 255 and self.host.isprintable(), "host",
                  "must be at most 255 printable characters (it is logged and shown)")
         _require(not self.process or IDENTITY.fullmatch(self.process) is not None, "process",
@@ -167,6 +169,8 @@ class Welcome(Message):
     # shm transport, recovery on: the previous version of layers updated in an unfinished step
     retained: RegionInfo | None = None
     rank: int = 0  # the rank this connection holds (Hello's, or the one assigned for ANY_RANK)
+    data_step: int = 0  # the data's origin: samples consumed before step data_step
+    data_samples: int = 0  # (step s starts at data_samples + (s - data_step) * samples a step)
 
 
 @message(3, body=REPLY_BODY)

@@ -232,6 +232,52 @@ def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(t
     assert resolve(str(root)) not in (older, newest)  # the older one, written again
 
 
+def test_a_run_resumed_with_another_batch_shape_goes_on_from_the_samples_consumed(tmp_path):
+    """The workers say how many samples a step takes; a checkpoint records the samples its
+    steps consumed, and a run resumed from it with another batch shape gets that as its
+    origin (its step 1 starts at sample 16, not at 1 x 8); its own checkpoints go on counting
+    from there. Workers of one job that disagree are refused; a checkpoint that records
+    nothing (an older one) counts step x samples a step, as before."""
+    from eps_server.data_position import DataPosition
+    from protocol.messages import Error
+
+    h = Harness(2)
+    try:
+        refused = h.hello(1, samples_per_step=8, req_id=7)
+        assert not isinstance(refused, Error)  # the first to say sets the job's
+        refused = h.hello(0, samples_per_step=16)
+        assert isinstance(refused, Error) and refused.field == "samples_per_step", refused
+    finally:
+        h.close()
+    h = Harness(1)
+    try:
+        h.bootstrap(samples_per_step=16)
+        for layer in (2, 1, 0):
+            h.push(0, 0, layer, grad_of(layer, 1.0), 10 + layer)
+        h.poll()
+        root = save(h, tmp_path / "a")
+        assert checkpoint.read_meta(root).state["data"] == {"samples": 16, "per_step": 16}
+    finally:
+        h.close()
+    r = Harness(1)
+    r.core = load_core(r.cfg, root, r.cfg.run_id,
+                       inline=True, clock=lambda: r.now)
+    try:
+        welcome = r.hello(0, samples_per_step=8)
+        assert (welcome.step, welcome.data_step, welcome.data_samples) == (1, 1, 16)
+        for layer in (2, 1, 0):
+            r.push(0, 1, layer, grad_of(layer, 1.0), 20 + layer)
+            r.poll()
+        assert r.core.scheduler.checkpoint_extra()["data"] == {"samples": 24, "per_step": 8}
+    finally:
+        r.close()
+    older = {k: v for k, v in checkpoint.read_meta(root).state.items() if k != "data"}
+    position = DataPosition()
+    position.loaded(1, older)
+    assert position.record(1) is None  # (a final checkpoint with no worker: as loaded)
+    assert position.joined(8) == (1, 8) and position.record(3) == {"samples": 24, "per_step": 8}
+
+
 def test_the_loss_scale_is_restored_only_from_a_checkpoint_trained_in_fp16(tmp_path):
     """An fp16 run resumed in fp16 goes on with its scale (GradScaler's state); from a bf16 or
     fp32 checkpoint (whose disabled scaler says 1) it starts at --loss-scale, and a run

@@ -119,9 +119,9 @@ class Harness:
         self.send(rank, Hello(req_id=req_id, **fields), peer=peer)
         return self.take(rank, req_id, peer=peer).msg
 
-    def bootstrap(self, value=1.0, grad_dtype="float32"):
+    def bootstrap(self, value=1.0, grad_dtype="float32", **hello):
         for r in range(self.cfg.world_size):
-            welcome = self.hello(r, grad_dtype=grad_dtype)
+            welcome = self.hello(r, grad_dtype=grad_dtype, **hello)
             assert welcome.init_layers == (tuple(range(L)) if r == 0 else ())
         for plan in self.layout.layers:
             self.send(0, InitLayer(req_id=100 + plan.index, layer=plan.index),

@@ -130,6 +130,24 @@ def test_every_sample_once_per_epoch_in_an_order_of_seed_and_epoch():
     assert np.array_equal(Order(10, 3, False)(np.arange(5, 15)), np.r_[5:10, 0:5])
 
 
+def test_a_resumed_run_of_another_batch_shape_takes_the_samples_that_come_next(models,
+                                                                                tmp_path):
+    """With the origin the EPS gives (16 samples consumed before step 2, by steps of 8), a run
+    of steps of 4 samples (1 x 4) trains at steps 2, 3 what the first run's step 2 would have:
+    no sample again, none skipped."""
+    tsv = fx.classification_tsv(tmp_path / "d.tsv", n=40)
+    first = build_task(models["bert"], DataConfig(data=str(tsv)), micro_batch_size=4,
+                       global_micro_batches=2)
+    then = build_task(models["bert"], DataConfig(data=str(tsv)), micro_batch_size=4,
+                      global_micro_batches=1)
+    then.origin = (2, 16)
+    would = [first.order(first.step_positions(2, i, 4)) for i in range(2)]
+    took = [then.order(then.step_positions(s, 0, 4)) for s in (2, 3)]
+    assert np.array_equal(np.concatenate(took), np.concatenate(would))
+    assert then.loss_terms(3, 4, 1) == 4 and np.array_equal(  # (a classifier: one a sample)
+        then.order(then.step_positions(3, 0, 4)), first.order(np.arange(20, 24)))
+
+
 def test_the_loss_is_normalised_by_the_real_targets_of_the_global_step(models, tmp_path):
     t = task(models["gpt2"], fx.lm_jsonl(tmp_path / "lm.jsonl"))
     batches = Sharder(t, 4, 2).batches(3, range(2))

@@ -73,8 +73,9 @@ def test_the_split_does_not_matter_on_text(cluster, tmp_path):
 
 
 def test_a_resumed_run_continues_at_the_same_data_position(cluster, tmp_path):
-    """48 documents, 8 per step: 9 steps cross an epoch (reshuffled by (seed, epoch)). A run
-    resumed from step 3's checkpoint to 9 ends bitwise equal to the run that wrote it."""
+    """48 documents, 16 per step: 9 steps cross epochs (reshuffled by (seed, epoch)). A run
+    resumed from step 3's checkpoint to 9 ends bitwise equal to the run that wrote it; one
+    resumed with half the batch goes on from sample 48, not from 3 x its 8."""
     path = fx.model_dir(tmp_path / "model", "gpt2")
     data = data_for("gpt2", tmp_path)
     ckpt = tmp_path / "ckpt"
@@ -84,7 +85,11 @@ def test_a_resumed_run_continues_at_the_same_data_position(cluster, tmp_path):
     resumed, _ = job(cluster, 2, path, data, steps=9,
                      server=("--load", str(ckpt / "step-00000003")))
     assert "at step 3" in cluster.log(cluster.procs[-1])
+    assert "step 3 starts at sample 48 of the data" in cluster.log(cluster.procs[-1])
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    cluster.close()
+    job(cluster, 1, path, data, steps=4, server=("--load", str(ckpt / "step-00000003")))
+    assert "step 3 starts at sample 48 of the data" in cluster.log(cluster.procs[-1])
 
 
 def test_an_exported_checkpoint_loads_with_from_pretrained(cluster, tmp_path, capsys):

@@ -134,12 +134,12 @@ class EpsClient:
 
     def hello(self, *, rank: int, world_size: int, manifest: Manifest, transport: str,
               grad_dtype: str, send_manifest: bool = True, timeout: float | None = None,
-              protocol_version: int = PROTOCOL_VERSION) -> Welcome:
+              protocol_version: int = PROTOCOL_VERSION, samples_per_step: int = 0) -> Welcome:
         fut = self.request(Hello, protocol_version=protocol_version, rank=rank,
                            world_size=world_size, manifest_hash=manifest.hash(),
                            manifest=manifest if send_manifest else None, transport=transport,
                            grad_dtype=grad_dtype, pid=os.getpid(), host=socket.gethostname(),
-                           process=process_identity())
+                           process=process_identity(), samples_per_step=samples_per_step)
         return self.wait(fut, timeout)[0]
 
     def observe(self, timeout: float | None = None) -> None:

@@ -211,7 +211,13 @@ class WorkerJob:
                  cfg.eps_timeout)  # started before it, a worker would otherwise say nothing
         self.welcome = welcome = join(
             self.client, cfg.eps_timeout, rank=cfg.rank, world_size=cfg.world_size,
-            manifest=self.manifest, transport=cfg.transport, grad_dtype=cfg.grad_dtype)
+            manifest=self.manifest, transport=cfg.transport, grad_dtype=cfg.grad_dtype,
+            samples_per_step=cfg.micro_batch_size * cfg.global_micro_batches)
+        if hasattr(self.task, "origin"):  # a file's records: where the job stands in them
+            self.task.origin = (welcome.data_step, welcome.data_samples)
+            if welcome.step:
+                log.info("step %d starts at sample %d of the data", welcome.step,
+                         self.task.first_position(welcome.step))
         if not 0 <= welcome.rank < cfg.world_size:
             raise EpsError("bad_message", f"the EPS assigned rank {welcome.rank}", "rank")
         if cfg.rank != welcome.rank:  # asked for any rank (-1): this is the one assigned

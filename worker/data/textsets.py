@@ -1,10 +1,12 @@
 """Text data as micro-batches: which samples fill a micro-batch, and how they are padded.
 
 Global sample position p (step s, global micro-batch i, row j of micro-batch size B, G global
-micro-batches per step: p = (s*G + i)*B + j) is sample ``perm_e[p mod N]`` of epoch
+micro-batches per step: p = o + ((s - s0)*G + i)*B + j, where (s0, o) is the job's origin: o
+samples consumed before step s0, (0, 0) in a fresh run) is sample ``perm_e[p mod N]`` of epoch
 e = p div N, the permutation a pure function of (seed, e). So the data of every step is a pure
 function of the step: N workers x u micro-batches see one big batch's samples, and a resumed
-run continues at the same position (the step is in the EPS checkpoint).
+run continues at the same position, also with another batch shape (the EPS's checkpoint
+records the samples consumed, and its Welcome gives the origin: eps_server/data_position.py).
 
 A micro-batch is padded to its longest sample, with an attention mask. Its loss is divided by
 the number of real targets of the whole global step (padding excluded), which every worker
@@ -61,9 +63,16 @@ class TextTask:
         self.order = Order(n, seed, shuffle)
         self.lengths = np.full(n, window + 1) if window else enc.lengths()
         self.targets = np.full(n, window) if window else target_counts(enc)  # lm, per sample
+        # (step, samples): the samples the job consumed before that step (the EPS's Welcome
+        # says: a run resumed with another batch shape goes on from where its checkpoint was)
+        self.origin = (0, 0)
+
+    def first_position(self, step: int) -> int:
+        origin_step, samples = self.origin
+        return samples + (step - origin_step) * self.count * self.size
 
     def step_positions(self, step: int, index: int, size: int) -> np.ndarray:
-        first = (step * self.count + index) * size
+        first = self.first_position(step) + index * size
         return np.arange(first, first + size)
 
     def targets_per_sample(self, samples: np.ndarray) -> np.ndarray:
@@ -73,7 +82,7 @@ class TextTask:
 
     def loss_terms(self, step: int, size: int, count: int) -> int:
         """Real targets in the whole step (every worker's micro-batches)."""
-        first = step * count * size
+        first = self.first_position(step)
         samples = self.order(np.arange(first, first + count * size))
         return int(self.targets_per_sample(samples).sum())
 
