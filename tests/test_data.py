@@ -42,6 +42,8 @@ def test_every_format(models, tmp_path):
     assert b.token_types is not None and (b.token_types == 1).any()
     (tmp_path / "a.csv").write_text('sentence,label\n"good, very good",1\nbad,0\nfine,2\n')
     assert task(bert, tmp_path / "a.csv").n == 3
+    (tmp_path / "long.tsv").write_text("sentence\tlabel\n" + "good " * 60_000 + "\t1\nbad\t0\n")
+    assert task(bert, tmp_path / "long.tsv").n == 2  # a field past csv's 128 KiB default
     (tmp_path / "c.jsonl").write_text('{"text": "good movie", "label": 1}\n\n'
                                       '{"text": "bad", "label": 0}\n')
     assert task(bert, tmp_path / "c.jsonl").enc.labels.tolist() == [1, 0]
@@ -64,7 +66,8 @@ def test_every_format(models, tmp_path):
     ("a.tsv", "sentence\tlabel\ngood\t1\nbad\n", "a.tsv:3: 1 fields, the header has 2"),
     ("a.tsv", "", "a.tsv: the file is empty"),
     ("a.tsv", b"sentence\tlabel\ngood \xff\t1\n", "a.tsv:2: not UTF-8"),
-    ("a.jsonl", '{"text": "good", "label": 1}\n{"text": \n', "a.jsonl:2: not a JSON object"),
+    ("a.jsonl", '{"text": "good", "label": 1}\n{"text": \n',  # (the column of its own line)
+     "a.jsonl:2: not a JSON object (Expecting value: line 1 column 10"),
     ("a.jsonl", '{"label": 1}\n', 'a.jsonl:1: needs a "text" string'),
     ("a.jsonl", '{"text": "good"}\n', 'a.jsonl:1: needs a "label"'),
     ("a.tsv", "sentence\tlabel\n \t1\n", "a.tsv:2: empty text"),
@@ -77,6 +80,15 @@ def test_bad_files_are_refused_with_their_line(models, tmp_path, name, content, 
     with pytest.raises(ValueError) as e:
         task(models["bert"], path)
     assert message in str(e.value)
+
+
+def test_a_folder_given_as_data_is_said_to_be_one(models, tmp_path):
+    from worker.inputs import input_problems
+
+    with pytest.raises(DataError, match="a folder; give one file"):
+        task(models["bert"], tmp_path)
+    assert input_problems(ModelConfig(), DataConfig(eval_data=str(tmp_path))) == [
+        f"--eval-data {tmp_path}: a folder; give one file"]
 
 
 def test_a_language_model_sample_needs_two_tokens(models, tmp_path):

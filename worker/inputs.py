@@ -39,7 +39,8 @@ def input_problems(model: ModelConfig, data: DataConfig) -> list[str]:
     out = [hf_dir_problem(model.model[3:])] if model.model.startswith("hf:") else []
     for option, path in (("--data", data.data), ("--eval-data", data.eval_data)):
         if path and not os.path.isfile(path):
-            out.append(f"{option} {path}: no such file")
+            out.append(f"{option} {path}: " + ("a folder; give one file" if os.path.isdir(path)
+                                               else "no such file"))
     if (model.freeze or model.lora_rank) and not any(out):  # (patterns, targets, an adapter:
         # checked against the model's names)
         from .models import build_model

@@ -77,7 +77,8 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
               shuffle: bool | None = None) -> TextTask:
     """A data file as a task: read and checked, tokenised (cached), ready to batch."""
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file")
+        raise DataError(f"{path}: " + ("a folder; give one file" if os.path.isdir(path) else
+                                       "no such file"))
     fmt = data_format(path, data.data_format)
     cfg = model.cfg
     seed, shuffle = cfg.seed, data.shuffle if shuffle is None else shuffle

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A field as long as a document: the text is cut to --seq-len once tokenised, not here
+csv.field_size_limit(2**31 - 1)
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt",
            ".bin": "tokens", ".parquet": "parquet"}
 
@@ -119,17 +121,20 @@ def read_table(path: str, fmt: str, text: str, pair: str, label: str, classes: i
     lines = [t for _, t in _lines(path)]  # checks the encoding line by line
     if not lines:
         raise DataError(f"{path}: the file is empty")
-    rows = csv.reader(io.StringIO("".join(lines)), delimiter="\t" if fmt == "tsv" else ",",
-                      quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL)
-    header = next(rows)
+    reader = csv.reader(io.StringIO("".join(lines)), delimiter="\t" if fmt == "tsv" else ",",
+                        quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL)
+    try:  # (each row with its last line: a quoted field may span lines)
+        rows = [(reader.line_num, row) for row in reader]
+    except csv.Error as e:
+        raise DataError(f"{path}:{reader.line_num}: {e}") from None
+    (_, header), rows = rows[0], rows[1:]
     columns = {name: i for i, name in enumerate(header)}
     for name in (text, label, *([pair] if pair else [])):
         if name not in columns:
             raise DataError(f"{path}:1: no column {name!r} in the header "
                             f"({', '.join(header)})")
     out = Records([], [] if pair else None, [], [])
-    for row in rows:
-        number = rows.line_num  # the row's last line (a quoted field may span lines)
+    for number, row in rows:
         if not row or row == [""]:
             continue
         if len(row) != len(header):
@@ -172,7 +177,7 @@ def _jsonl_rows(path: str):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line.rstrip("\r\n"))  # (a column of this line, not of the next)
         except ValueError as e:
             raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
         yield f"{path}:{number}", number, obj
