@@ -110,11 +110,26 @@ def test_bad_token_files_are_refused(models, tmp_path):
 
 
 def test_a_labelled_table_for_a_language_model_says_what_it_is(models, tmp_path):
-    """It said "label 2 is out of range [0, 2)" (a causal LM config's default num_labels)."""
+    """It said "label 2 is out of range [0, 2)" (a causal LM config's default num_labels);
+    labelled JSONL records and Parquet rows trained the language model on the text and
+    dropped the labels without a word (--label-column '' says that is meant)."""
     tsv = fx.classification_tsv(tmp_path / "a.tsv")
     with pytest.raises(DataError, match="a TSV file is labelled text, for a classifier .* "
                        "--classes N makes a causal LM a sequence classifier"):
         task(models["gpt2"], tsv)
+    (tmp_path / "a.jsonl").write_text('{"text": "good movie", "label": 1}\n'
+                                      '{"text": "bad one", "label": 0}\n')
+    with pytest.raises(DataError, match=r"a.jsonl:1: labelled text \('label'\), for a "
+                       "classifier: --classes N .* --label-column '' trains the language"):
+        task(models["gpt2"], tmp_path / "a.jsonl")
+    assert task(models["gpt2"], tmp_path / "a.jsonl", label_column="").n == 2
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": ["good movie", "bad one"], "label": [1, 0]}),
+                   tmp_path / "a.parquet")
+    with pytest.raises(DataError, match=r"a.parquet: labelled text \('label'\)"):
+        task(models["gpt2"], tmp_path / "a.parquet")
+    assert task(models["gpt2"], tmp_path / "a.parquet", label_column="").n == 2
 
 
 def test_tokens_are_cached_and_a_changed_file_is_read_again(models, tmp_path):

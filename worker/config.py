@@ -217,7 +217,9 @@ class DataConfig:
     text_pair_column: str = ""
     """TSV/CSV/Parquet: a second text column (sentence pairs), or empty."""
     label_column: str = "label"
-    """TSV/CSV/Parquet: the column holding the integer label in [0, classes)."""
+    """TSV/CSV/Parquet: the column holding the integer label in [0, classes). A language
+    model refuses JSONL records and Parquet rows that have it (labelled text: --classes N
+    makes a causal LM a classifier); '' trains on their text alone."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of a token-id file."""
     shuffle: bool = True

@@ -108,7 +108,8 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
         objective = "classify"
     elif fmt == "jsonl":
         objective = model.objective
-        records = partial(read_jsonl, path, None if objective == "lm" else classes)
+        records = partial(read_jsonl, path, None if objective == "lm" else classes,
+                          data.label_column)
     elif fmt == "parquet":
         objective = model.objective
         records = partial(read_parquet, path, None if objective == "lm" else classes,

@@ -204,19 +204,26 @@ def _starts_an_array(path: str) -> bool:
     return head.startswith(b"[")
 
 
-def read_jsonl(path: str, classes: int | None) -> Records:
+def labelled_for_lm(label: str) -> str:
+    return (f"labelled text ({label!r}), for a classifier: --classes N makes a causal LM a "
+            "sequence classifier with a new head; --label-column '' trains the language model "
+            "on the text alone")
+
+
+def read_jsonl(path: str, classes: int | None, label: str = "label") -> Records:
     """``classes`` None: language modelling (text, prompt/completion or messages records, one
-    kind per file); else ``text`` and ``label`` are required. One record per line, or a JSON
-    array of records (records are then numbered from 1)."""
+    kind per file; a text record with a ``label`` is refused); else ``text`` and ``label`` are
+    required. One record per line, or a JSON array of records (numbered from 1)."""
     if _starts_an_array(path):
-        out = read_records(path, _array_rows(path), classes)
+        out = read_records(path, _array_rows(path), classes, label)
         out.unit = "record"
         return out
-    return read_records(path, _jsonl_rows(path), classes)
+    return read_records(path, _jsonl_rows(path), classes, label)
 
 
-def read_records(path: str, rows, classes: int | None) -> Records:
-    """Records of (where, number, object) rows: JSONL lines, or Parquet rows as objects."""
+def read_records(path: str, rows, classes: int | None, label: str = "") -> Records:
+    """Records of (where, number, object) rows: JSONL lines, or Parquet rows as objects (a
+    language model's text record with a ``label`` key is refused)."""
     out = Records([], None, [] if classes else None, [])
     first = None
     for where, number, obj in rows:
@@ -237,6 +244,8 @@ def read_records(path: str, rows, classes: int | None) -> Records:
             raise DataError(f"{where}: a {kind} record in a file of {first} records (one kind "
                             "per file)")
         if kind == "text":
+            if classes is None and label and label in obj:
+                raise DataError(f"{where}: {labelled_for_lm(label)}")
             out.texts.append(_text(where, obj["text"]))
         elif kind == "prompt":
             if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"),
@@ -279,6 +288,8 @@ def read_parquet(path: str, classes: int | None, text: str, pair: str, label: st
         if not wanted:
             raise DataError(f"{path}: no column text, prompt + completion or messages "
                             f"(columns: {', '.join(names)})")
+        if wanted == ["text"] and label and label in names:
+            raise DataError(f"{path}: {labelled_for_lm(label)}")
     for name in wanted:
         if name not in names:
             raise DataError(f"{path}: no column {name!r} (columns: {', '.join(names)})")
