@@ -91,6 +91,17 @@ def test_a_folder_given_as_data_is_said_to_be_one(models, tmp_path):
         f"--eval-data {tmp_path}: a folder; give one file"]
 
 
+def test_data_too_short_or_of_another_objective_is_named(models, tmp_path):
+    """Both said what was wrong but not of which file (the training data or the eval data)."""
+    (tmp_path / "short.txt").write_text("good movie\n")
+    with pytest.raises(DataError, match=r"short.txt: \d+ tokens in all, fewer than the 17 of "
+                       "one --seq-len 16 sample"):
+        task(models["gpt2"], tmp_path / "short.txt")
+    (tmp_path / "long.txt").write_text("the movie was good and the story was fine\n" * 20)
+    with pytest.raises(ValueError, match="long.txt: task text produces lm targets"):
+        task(models["bert"], tmp_path / "long.txt")
+
+
 def test_a_language_model_sample_needs_two_tokens(models, tmp_path):
     (tmp_path / "lm.jsonl").write_text('{"text": "the movie was good"}\n{"text": "good"}\n')
     with pytest.raises(ValueError, match="lm.jsonl:2: 1 token"):

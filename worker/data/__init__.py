@@ -56,7 +56,8 @@ def build_task(model: LayeredModel, data: DataConfig | None = None, *,
     else:
         task = SYNTHETIC[name](model.cfg)
     if task.objective != model.objective:
-        raise ValueError(f"task {name} produces {task.objective} targets, but model "
+        raise ValueError((f"{data.data}: " if name == "text" else "") +
+                         f"task {name} produces {task.objective} targets, but model "
                          f"{model.cfg.model} trains a {model.objective} head")
     return task
 
@@ -88,9 +89,12 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
                             f"{model.objective} head")
         vocab = getattr(getattr(model, "config", None), "vocab_size", cfg.vocab)
         ids = read_tokens(path, data.token_dtype, vocab)
-        enc = Encoded(ids, None)
-        return TextTask(enc, "lm", seed=seed, shuffle=shuffle, pad_id=0, micro_batch_size=size,
-                        global_micro_batches=count, window=cfg.seq_len)
+        try:
+            return TextTask(Encoded(ids, None), "lm", seed=seed, shuffle=shuffle, pad_id=0,
+                            micro_batch_size=size, global_micro_batches=count,
+                            window=cfg.seq_len)
+        except ValueError as e:
+            raise DataError(f"{path}: {e}") from None
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise DataError(f"{path}: text needs the model's tokenizer (an hf: model); a built-in "
@@ -123,8 +127,12 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     # A language-model sample needs two tokens (an input and its target).
     enc = cached_encode(path, records, tokenizer, model.path, None if window else cfg.seq_len,
                         options, min_length=2 if objective == "lm" else 1)
-    task = TextTask(enc, objective, seed=seed, shuffle=shuffle, pad_id=model.pad_id(tokenizer),
-                    micro_batch_size=size, global_micro_batches=count, window=window)
+    try:
+        task = TextTask(enc, objective, seed=seed, shuffle=shuffle,
+                        pad_id=model.pad_id(tokenizer), micro_batch_size=size,
+                        global_micro_batches=count, window=window)
+    except ValueError as e:
+        raise DataError(f"{path}: {e}") from None
     if objective == "lm" and not task.targets.any():  # every loss would be 0 / 0
         raise DataError(f"{path}: no sample keeps a token to predict within --seq-len "
                         f"{cfg.seq_len} (prompts or user turns fill it): nothing to train or "

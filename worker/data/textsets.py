@@ -58,7 +58,8 @@ class TextTask:
         self.size, self.count = micro_batch_size, global_micro_batches
         n = (len(enc.ids) - 1) // window if window else len(enc)
         if n < 1:
-            raise ValueError(f"the data holds no sample of {window + 1} tokens")
+            raise ValueError(f"{len(enc.ids)} tokens in all, fewer than the {window + 1} of one "
+                             f"--seq-len {window} sample (a smaller --seq-len?)")
         self.n = n
         self.order = Order(n, seed, shuffle)
         self.lengths = np.full(n, window + 1) if window else enc.lengths()
