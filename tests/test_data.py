@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -157,6 +158,36 @@ def test_tokens_are_cached_and_a_changed_file_is_read_again(models, tmp_path):
     os.utime(tsv, ns=(10**9, 10**9))
     changed = task(models["bert"], tsv)
     assert not np.array_equal(changed.enc.ids, first.enc.ids)
+
+
+def test_workers_that_start_together_tokenise_a_file_once(models, tmp_path, monkeypatch):
+    """Each worker of a first run tokenised the same file (N x the CPU, on a box whose cores
+    the workers share): one does, under a lock beside the cache, the others wait and load."""
+    import threading
+
+    from worker.data import files
+
+    tsv = fx.classification_tsv(tmp_path / "a.tsv")
+    reads, real = [], files.read_table
+
+    def slow(*args):
+        reads.append(1)
+        time.sleep(0.5)  # the others arrive meanwhile
+        return real(*args)
+
+    monkeypatch.setattr("worker.data.read_table", slow)
+    got = [None] * 3
+
+    def run(i):
+        got[i] = task(models["bert"], tsv)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(reads) == 1 and all(np.array_equal(g.enc.ids, got[0].enc.ids) for g in got)
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".lock")] == []
 
 
 def test_every_sample_once_per_epoch_in_an_order_of_seed_and_epoch():

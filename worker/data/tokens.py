@@ -7,6 +7,8 @@ another worker loads the arrays in a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -151,9 +153,41 @@ def cached_encode(data: str, records_fn, tokenizer, tokenizer_dir: str,
     path = _cache_path(data, cache_key(data, tokenizer_dir, (max_length, min_length,
                                                                *options)))
     if os.path.isfile(path):
-        with np.load(path) as z:
-            return Encoded(*(z[k] if k in z else None for k in ("ids", "starts", "types",
-                                                                  "labels", "targets")))
+        return _load(path)
+    # One process of the box tokenises (workers start together); the others wait, then load.
+    with _locked(f"{path}.lock"):
+        if os.path.isfile(path):
+            return _load(path)
+        return _encode_into(path, data, records_fn, tokenizer, max_length, min_length)
+
+
+def _load(path: str) -> Encoded:
+    with np.load(path) as z:
+        return Encoded(*(z[k] if k in z else None for k in ("ids", "starts", "types", "labels",
+                                                              "targets")))
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive flock on ``path`` (nothing where the file system has no locks); the file
+    is removed after: a process that comes later finds the cache before it looks for it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)
+
+
+def _encode_into(path: str, data: str, records_fn, tokenizer, max_length: int | None,
+                 min_length: int) -> Encoded:
     t0 = time.perf_counter()
     records = records_fn()
     try:
