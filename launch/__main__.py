@@ -301,7 +301,7 @@ def train(args: LaunchArgs) -> tuple[int, dict, Launcher]:
             f"{peak / 2**20:.0f} MiB\n" + table(summary_rows(summary, logs), "summary"))
     elif failed:
         say(f"l2l-launch: failed: {launcher.failure} (logs: {logs})"
-            f"{resume_hint(launcher.checkpoints)}", sys.stderr)
+            f"{'' if launcher.eps_refused else resume_hint(launcher.checkpoints)}", sys.stderr)
         if args.launch.quiet:  # the children's errors were not shown: their last ones
             for name, line in launcher.console.errors.items():
                 say(f"  [{name}] {line}", sys.stderr)

@@ -288,6 +288,12 @@ class Launcher:
                 return False
             what = self.failure
 
+    @property
+    def eps_refused(self) -> bool:
+        """The EPS refused its settings (exit status REFUSED): a checkpoint it cannot load, a
+        bad option; no checkpoint is worth a --load hint then."""
+        return self.server is not None and self.server.proc.poll() == REFUSED
+
     def _died_starting(self) -> bool:
         """The EPS died before it was ready, killed (the OOM killer, an operator) or crashed:
         a restart may cure that. One that refused its settings (a bad option, a busy endpoint,

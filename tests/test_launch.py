@@ -648,3 +648,14 @@ def test_a_failed_job_names_the_checkpoint_to_go_on_from(tmp_path, reap):
     [line] = [x for x in err.splitlines() if x.startswith("l2l-launch: failed:")]
     assert line.startswith("l2l-launch: failed: eps-server was killed by SIGKILL"), err
     assert f"go on from there with --load {tmp_path / 'ckpt'}" in line, line
+    # a checkpoint the EPS refuses to load (damaged) is not the one to go on from
+    for f in (tmp_path / "ckpt").glob("step-*/master*.safetensors"):
+        os.chmod(f, 0o600)
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    r = subprocess.run([*LAUNCH, "--endpoint", endpoint, "--steps", "100000", *SMALL,
+                        "--server-save", "ckpt", "--load", "ckpt"], env=ENV, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "checksum" in r.stderr, r.stderr
+    assert "go on from there" not in r.stderr, r.stderr
