@@ -88,13 +88,18 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
         if time.monotonic() - said[0] >= 1.0 or done == total:
             said[0] = time.monotonic()
             notify(Starting(phase="loading", done=done, total=total))
+    saved = loaded.state.get("optimizer", {})
     try:
         checkpoint.load_into(loaded, core.store, [m.optimizer for m in core.engines.layers],
                              progress)
-    except BaseException:
+    except BaseException as e:
         core.close(final_save=False)
+        if isinstance(e, ValueError) and saved.get("name", cfg.optimizer.name) != \
+                cfg.optimizer.name:  # (what a state of another optimizer lacks)
+            raise ValueError(f"{e}: the checkpoint was trained with --optimizer {saved['name']}, "
+                             f"whose state --optimizer {cfg.optimizer.name} cannot go on "
+                             "from") from None
         raise
-    saved = loaded.state.get("optimizer", {})
     was = saved.get("states", "fp32")
     if saved and was != cfg.optimizer.states:
         log.info("the checkpoint's optimizer moments are %s: converted to %s", was,

@@ -278,6 +278,21 @@ def test_a_run_resumed_with_another_batch_shape_goes_on_from_the_samples_consume
     assert position.joined(8) == (1, 8) and position.record(3) == {"samples": 24, "per_step": 8}
 
 
+def test_a_checkpoint_of_another_optimizer_is_refused_saying_which(tmp_path):
+    """An AdamW checkpoint resumed as SGD with momentum lacks its momentum buffers: the refusal
+    said only that, not that the checkpoint was another optimizer's."""
+    h = Harness(1, optimizer=OptimizerConfig(name="adamw", lr=0.01))
+    try:
+        h.bootstrap()
+        root = save(h, tmp_path / "ck")
+    finally:
+        h.close()
+    cfg = replace(h.cfg, optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match="missing: the checkpoint was trained with --optimizer "
+                       "adamw, whose state --optimizer sgd cannot go on from"):
+        load_core(cfg, root, cfg.run_id)
+
+
 def test_the_loss_scale_is_restored_only_from_a_checkpoint_trained_in_fp16(tmp_path):
     """An fp16 run resumed in fp16 goes on with its scale (GradScaler's state); from a bf16 or
     fp32 checkpoint (whose disabled scaler says 1) it starts at --loss-scale, and a run
