@@ -3,7 +3,8 @@ says how they lie on disk: one directory per checkpoint under a root, a ``latest
 checksum for every file).
 
     manifest.json          the model manifest (the EPS can start from it alone)
-    state.json             format, step, versions, manifest hash, optimizer and loss-scaler state
+    state.json             format, step, versions, manifest hash, when written, optimizer and
+                           loss-scaler state, the data position
     master.safetensors     "<layer>/<tensor>" -> fp32 tensor with its real shape
     optimizer.safetensors  "<layer>/<state key>" -> optimizer state
     checksums.json         sha256 and size of each of the above, checked on load
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -246,7 +248,7 @@ def write_metadata(tmp: str, store, extra: dict, sums: dict) -> None:
                                          manifest_to_json(store.manifest)),
             "state.json": _write_json(os.path.join(tmp, "state.json"), {
                 "format": FORMAT, "step": store.step, "versions": store.versions,
-                "manifest_hash": store.manifest_hash, **extra})}
+                "manifest_hash": store.manifest_hash, "written_ns": time.time_ns(), **extra})}
     _write_json(os.path.join(tmp, layout_on_disk.CHECKSUMS), sums)
 
 
@@ -288,20 +290,31 @@ def _new_name(root: str, base: str) -> str:
 
 
 def _prune(root: str, current: str, keep: int) -> None:
-    """Keep the ``keep`` most recently written checkpoints (``current`` among them); remove
-    the others and what an interrupted writer left."""
+    """Keep the ``keep`` most recently written checkpoints (``current`` among them; a copied
+    folder's by what its state.json says); remove the others and what an interrupted writer
+    left."""
     entries = os.listdir(root)
     for n in entries:
         if _ours(n) and n != LOCK:
             _remove(os.path.join(root, n))
     done = [n for n in entries if n.startswith(layout_on_disk.PREFIX)
             and os.path.isdir(os.path.join(root, n))]
-    done.sort(key=lambda n: os.path.getmtime(os.path.join(root, n)), reverse=True)
+    done.sort(key=lambda n: _written(os.path.join(root, n)), reverse=True)
     others = [n for n in done if n != current]
     kept = {current, *others[:keep - 1]}
     for n in done:
         if n not in kept:
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def _written(path: str) -> float:
+    """When the checkpoint at ``path`` was written: its state.json says (a copy of the folder,
+    whose times are the copy's, keeps it), else (an older checkpoint) the folder's time."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f)["written_ns"] / 1e9
+    except (OSError, ValueError, KeyError, TypeError):
+        return os.path.getmtime(path)
 
 
 def _fsync_dir(path: str) -> None:

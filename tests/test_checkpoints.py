@@ -208,6 +208,19 @@ def test_a_file_system_without_locks_is_written_unguarded(tmp_path, monkeypatch,
     assert "refuses locks (No locks available)" in caplog.text
 
 
+def test_keep_checkpoints_keeps_the_newest_written_also_in_a_copied_folder(trained, tmp_path):
+    """A folder copied with cp -r has the copy's times (here: the newest checkpoint looks the
+    oldest); pruning went by them and removed the newest checkpoint, the one resumed from.
+    It goes by the time each checkpoint's state.json says it was written."""
+    root = tmp_path / "ck"
+    made = [save(trained, root, keep=3) for _ in range(3)]
+    for age, path in enumerate(made):  # the first written looks the newest
+        os.utime(path, (2e9 - 100 * age, 2e9 - 100 * age))
+    newest = save(trained, root, keep=2)
+    assert sorted(p.name for p in root.glob("step-*")) == sorted(
+        os.path.basename(p) for p in (made[-1], newest))
+
+
 def test_a_final_checkpoint_repeats_the_loaded_one_only_where_it_is_the_latest(trained,
                                                                                tmp_path):
     """Resumed from the root's latest and stopped before training: nothing new written. From
