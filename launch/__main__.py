@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"l2l-launch: {problem}", file=sys.stderr)
         return REFUSED
-    if note := earlier_checkpoints(args):
-        print(f"l2l-launch: {note}", file=sys.stderr)
+    for note in (earlier_checkpoints(args), trained_already(args)):
+        if note:
+            print(f"l2l-launch: {note}", file=sys.stderr)
     try:
         return train(args)[0]
     except OSError as e:  # the run's own files (a full disk): one line, not a traceback
@@ -202,6 +203,16 @@ def earlier_checkpoints(args: LaunchArgs) -> str:
     return (f"--server-save {root} holds an earlier run's checkpoints (the latest of step "
             f"{found[1]}): this run's replace them, the oldest first (--keep-checkpoints "
             f"{args.server.keep_checkpoints}); --load {root} would go on from them")
+
+
+def trained_already(args: LaunchArgs) -> str:
+    """A warning when --load's checkpoint is at --steps or past it (a total, not steps more),
+    or ""."""
+    load, steps = args.server.load, args.worker.steps
+    found = latest(load) if load else None  # (None: the EPS says why it cannot load it)
+    return (f"--load {load} is at step {found[1]}: --steps {steps}, the step to train until "
+            f"(not steps more), is reached already and nothing is trained; give --steps above "
+            f"{found[1]}" if found and found[1] >= steps else "")
 
 
 def output_problem(args: LaunchArgs) -> str:

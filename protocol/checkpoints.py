@@ -48,6 +48,11 @@ def resolve(path: str) -> str:
             name = f.read().strip()
         if not name.startswith(PREFIX) or "/" in name:
             raise ValueError(f"{latest}: not a checkpoint name ({name!r})")
+        if not os.path.isdir(os.path.join(path, name)):
+            there = sorted(n for n in os.listdir(path) if _order(n))
+            raise FileNotFoundError(f"{latest} names {name}, which is not there (removed?); "
+                                    f"checkpoints there: {', '.join(there) or 'none'} (--load "
+                                    "one of them by its directory)")
         return os.path.join(path, name)
     done = [n for n in os.listdir(path) if _order(n) and os.path.isdir(os.path.join(path, n))]
     if done:

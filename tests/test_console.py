@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from launch.console import Console
 
 from .helpers import ENV, SMALL
@@ -238,3 +240,30 @@ def test_a_run_that_will_replace_an_earlier_runs_checkpoints_says_so(tmp_path):
     assert note("--load", str(tmp_path / "elsewhere")) != ""
     assert earlier_checkpoints(cli.parse(LaunchArgs, ["--server-save", str(tmp_path / "new")],
                                          "l2l-launch")) == ""
+
+
+def test_a_load_past_steps_says_nothing_will_train_and_a_gone_latest_is_named(tmp_path):
+    """--steps is the step to train until: a step-6 checkpoint with --steps 5 ended "done: 0
+    steps" without a word. A latest naming a removed folder was "checksums.json: missing"."""
+    from launch.__main__ import trained_already
+    from launch.config import LaunchArgs
+    from protocol import cli
+    from protocol.checkpoints import resolve
+
+    root = tmp_path / "ck"
+    (root / "step-00000006").mkdir(parents=True)
+    (root / "step-00000006" / "state.json").write_text('{"step": 6}')
+    (root / "latest").write_text("step-00000006\n")
+
+    def note(*argv):
+        return trained_already(cli.parse(LaunchArgs, list(argv), "l2l-launch"))
+
+    assert note("--load", str(root), "--steps", "5") == (
+        f"--load {root} is at step 6: --steps 5, the step to train until (not steps more), is "
+        "reached already and nothing is trained; give --steps above 6")
+    assert note("--load", str(root), "--steps", "7") == note("--steps", "5") == ""
+    (root / "step-00000004").mkdir()
+    (root / "step-00000006").rename(root / "gone")
+    with pytest.raises(FileNotFoundError, match="latest names step-00000006, which is not "
+                       "there .removed.; checkpoints there: step-00000004"):
+        resolve(str(root))
