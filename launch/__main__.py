@@ -238,12 +238,15 @@ def output_problem(args: LaunchArgs) -> str:
 
 
 def unfit_runs_dir(path: str) -> str:
-    """Why the runs' folder cannot hold this run's logs and files, or ""."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        return f"cannot make it: {e.strerror}"
-    return "" if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    """Why the runs' folder cannot hold this run's logs and files, or "" (nothing is made:
+    another problem may refuse the job)."""
+    there = os.path.abspath(path)
+    while not os.path.exists(there):  # the folder it would be made in
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        return "is a file" if there == os.path.abspath(path) else f"cannot make it ({there} is " \
+            "a file)"
+    return "" if os.access(there, os.W_OK | os.X_OK) else "not writable"
 
 
 def unfit_folder(path: str, source: str) -> str:
