@@ -72,6 +72,8 @@ def test_every_format(models, tmp_path):
     ("a.jsonl", '{"label": 1}\n', 'a.jsonl:1: needs a "text" string'),
     ("a.jsonl", '{"text": "good"}\n', 'a.jsonl:1: needs a "label"'),
     ("a.tsv", "sentence\tlabel\n \t1\n", "a.tsv:2: empty text"),
+    ("a.json", '{\n "data": [\n  {"text": "good", "label": 1}\n ]\n}\n',
+     "a.json: one JSON object (keys: data), not a record a line or an array of records"),
     ("a.csv", 'sentence,label\n"good\nmovie",1\n"bad",x\n', "a.csv:4: label 'x'"),
     ("a.tsv", "\ufeffsentence\tlabel\ngood\t9\n", "a.tsv:2: label 9 is out of range"),
 ])

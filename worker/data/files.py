@@ -173,14 +173,28 @@ def _messages(where: str, messages) -> list[dict]:
 
 
 def _jsonl_rows(path: str):
+    first = True
     for number, line in _lines(path):
         if not line.strip():
             continue
         try:
             obj = json.loads(line.rstrip("\r\n"))  # (a column of this line, not of the next)
         except ValueError as e:
+            if first and isinstance(whole := _whole(path), dict):  # one object, indented
+                raise DataError(f"{path}: one JSON object (keys: {', '.join(list(whole)[:5])})"
+                                ", not a record a line or an array of records") from None
             raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
+        first = False
         yield f"{path}:{number}", number, obj
+
+
+def _whole(path: str):
+    """The file as one JSON value, or None."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8-sig"))
+    except (OSError, ValueError):
+        return None
 
 
 def _array_rows(path: str):
