@@ -424,6 +424,23 @@ def test_expert_adapters_are_refused_where_peft_refuses_them(tmp_path):
                                 lora_target_parameters="down_proj.weight")).manifest()
 
 
+def test_targets_outside_the_blocks_are_refused_or_said(tmp_path, caplog):
+    """PEFT adapts an embedding or an LM head named in target_modules; l2l adapts the blocks'
+    linear layers, and dropped such a name without a word (the adapter trained less than the
+    user asked for). A name only outside the blocks is refused; one that also names the
+    blocks' modules (BERT's dense: its pooler's too) is said."""
+    llama = fx.model_dir(tmp_path / "llama", "llama")
+    for name in ("embed_tokens", "lm_head"):
+        with pytest.raises(ValueError, match=f"--lora-targets {name}: the model's {name}, "
+                           f"outside its blocks.* --lora-modules-to-save {name} trains it"):
+            build_model(ModelConfig(model=f"hf:{llama}", seq_len=SEQ, lora_rank=4,
+                                    lora_targets=f"q_proj,{name}")).manifest()
+    bert = fx.model_dir(tmp_path / "bert", "bert")
+    build_model(ModelConfig(model=f"hf:{bert}", seq_len=SEQ, lora_rank=4,
+                            lora_targets="query,dense")).manifest()
+    assert "also names pooler.dense outside the blocks" in caplog.text
+
+
 @pytest.mark.parametrize("served", [torch.float32, torch.bfloat16])
 def test_a_dora_layer_starts_as_its_base_layer_in_the_dtype_it_is_served_in(served):
     """B is zero at the start and DoRA's magnitude the norm of W's rows as the worker holds W

@@ -80,7 +80,8 @@ class ModelConfig:
     included), or auto: PEFT's default where it has one (query,value for BERT and RoBERTa,
     c_attn for GPT-2, q_proj,v_proj,fc1,fc2 for Phi, query_key_value for GPT-NeoX,
     q_proj,v_proj for Llama, Mistral, Qwen and Gemma), else qkv_proj for Phi-3 and
-    q_proj,v_proj; none: no linear layer (with --lora-target-parameters)."""
+    q_proj,v_proj; none: no linear layer (with --lora-target-parameters). A module of the
+    embeddings or the head (embed_tokens, lm_head) is refused: --lora-modules-to-save."""
     lora_layers: str = ""
     """With LoRA: the blocks whose targeted linear layers get adapters (PEFT's
     layers_to_transform), their indices from 0: e.g. 0-3,20 (ranges inclusive); empty: every

@@ -28,7 +28,7 @@ from ...inputs import hf_dir_problem
 from ...spelled import lora_layers
 from .. import lora
 from ..base import LayeredModel, save_dtype
-from . import adapter, families, multimodal, quantized
+from . import adapter, families, lora_plan, multimodal, quantized
 from .checkpoint import HfCheckpoint, export, unrounded
 from .lora_plan import LoraPlan
 
@@ -196,6 +196,16 @@ class HfModel(LayeredModel):
                                  " that --lora-exclude-modules and --lora-layers leave"
                                  if self.cfg.lora_exclude_modules or self.cfg.lora_layers
                                  else ""))
+        outside = lora_plan.outside_blocks(self)
+        if only := [n for n in outside if n not in self.lora_modules]:
+            raise ValueError(f"--lora-targets {only[0]}: the model's {outside[only[0]]}, outside "
+                             "its blocks, which PEFT would adapt and l2l does not (LoRA goes on "
+                             f"the blocks' linear layers); --lora-modules-to-save {only[0]} "
+                             "trains it whole")
+        if outside:  # (an adapter PEFT loads: it gives those its zero-effect new adapters)
+            log.warning("LoRA: --lora-targets %s also names %s outside the blocks, which PEFT "
+                        "would adapt too; l2l adapts the blocks' only", ",".join(outside),
+                        ", ".join(outside.values()))
         if self.cfg.lora_target_parameters.strip() and not self.lora_stacked:
             raise ValueError(f"--lora-target-parameters {self.cfg.lora_target_parameters} "
                              f"matches no parameter of a {self.config.model_type} block (e.g. "

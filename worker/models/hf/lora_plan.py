@@ -95,3 +95,18 @@ class LoraPlan:
         return {"rank_pattern": {k: int(v) for k, v in self.ranks.items()},
                 "alpha_pattern": dict(self.alphas),
                 "exclude_modules": sorted(self.excluded) or None}
+
+
+def outside_blocks(model) -> dict[str, str]:
+    """--lora-targets names that name a module of the embeddings or the head (-> its name
+    there): PEFT would adapt those too (an embedding, an LM head), LoRA here adapts the blocks'
+    linear layers only."""
+    want = lora.targets(model.cfg.lora_targets, model.config.model_type)
+    found: dict[str, str] = {}
+    for kind in ("embed", "head") if want else ():
+        with torch.device("meta"), SkipInitOnMeta():
+            stage = families.make_stage(model.config, model.family, kind)
+        for name, _ in stage.named_modules():
+            if name.rpartition(".")[2] in want:
+                found.setdefault(name.rpartition(".")[2], name)
+    return found
