@@ -103,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "cleanup":
         return cleanup(a.dry_run)
     if a.command == "keygen":
-        public, secret = curve.generate(a.dir, a.name)
+        try:
+            public, secret = curve.generate(a.dir, a.name)
+        except OSError as e:
+            print(f"l2l-ctl: {e}", file=sys.stderr)
+            return 1
         print(json.dumps({"public": public, "secret": secret}, indent=1))
         return 0
     job = "" if a.endpoint else find_job(p, a.runs_dir, a.run)

@@ -48,10 +48,20 @@ class ClientKeys:
 
 
 def generate(directory: str, name: str) -> tuple[str, str]:
-    """Write NAME.key and NAME.key_secret (0600) into ``directory``; returns their paths."""
+    """Write NAME.key (0644) and NAME.key_secret (0600, never readable by others, not even
+    while it is written) into ``directory``; returns their paths. Keys there are never
+    replaced (the EPS or clients may hold them): FileExistsError."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    for path in (os.path.join(directory, f"{name}.key{end}") for end in ("", "_secret")):
+        if os.path.lexists(path):
+            raise FileExistsError(f"{path} exists: keys are not replaced; remove them first, "
+                                  "or give another name")
+    old = os.umask(0o077)  # (the library writes them with the process's umask)
+    try:
+        public, secret = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(old)
+    os.chmod(public, 0o644)
     return public, secret
 
 

@@ -194,7 +194,11 @@ class RunLock:
 
     def __init__(self, run_id: str):
         self.path = _lock_path(run_id)
-        self._fd: int | None = _try_lock(self.path, create=True)
+        try:
+            self._fd: int | None = _try_lock(self.path, create=True)
+        except PermissionError:  # another user's lock file (shared memory is per user)
+            raise ValueError(f"run id {run_id!r} is in use by another user's eps-server (its "
+                             f"lock {self.path} is not ours); give another --run-id") from None
         if self._fd is None:
             raise ValueError(f"run id {run_id!r} is in use by a running eps-server")
 

@@ -6,6 +6,7 @@ non-loopback address needs CURVE unless --insecure is given."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -82,6 +83,33 @@ def test_keygen_writes_a_pair_whose_secret_only_its_owner_reads(keys):
         curve.load_secret(str(keys / "alice.key_secret"))
     with pytest.raises(ValueError, match="public key only"):
         curve.load_secret(str(keys / "alice.key"))
+
+
+
+def test_keygen_writes_the_secret_owner_only_from_the_start_and_replaces_no_key(tmp_path,
+                                                                                monkeypatch):
+    """The library writes a key with the process's umask (0644 here, then chmod: a window in
+    which others could open it); a second keygen of a name replaced the pair in use."""
+    import zmq.auth
+
+    seen = {}
+    real = zmq.auth.create_certificates
+
+    def spy(directory, name):
+        out = real(directory, name)
+        seen["mode"] = os.stat(out[1]).st_mode & 0o777  # as written, before anything after
+        return out
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", spy)
+    public, secret = curve.generate(str(tmp_path), "k")
+    assert seen["mode"] == 0o600 and os.stat(public).st_mode & 0o777 == 0o644
+    before = open(secret).read()
+    with pytest.raises(FileExistsError, match="k.key exists: keys are not replaced"):
+        curve.generate(str(tmp_path), "k")
+    assert open(secret).read() == before
+    p = subprocess.run([*CTL, "keygen", str(tmp_path), "k"], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "keys are not replaced" in p.stderr and not p.stdout
 
 
 @pytest.mark.parametrize("name,server,why", [

@@ -114,6 +114,19 @@ def test_a_run_id_in_use_is_refused(cluster):
     assert regions_of(cluster.run_id) == [f"l2l-{cluster.run_id}-lock"]
 
 
+def test_a_run_id_whose_lock_is_another_users_says_so(monkeypatch):
+    """It was a bare "[Errno 13] Permission denied: '/dev/shm/l2l-<run>-lock'"; as root here,
+    the other user's file is its open refused."""
+    from protocol import shm
+
+    def refused(path, create):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(shm, "_try_lock", refused)
+    with pytest.raises(ValueError, match="run id 'x1' is in use by another user's eps-server"):
+        shm.RunLock("x1")
+
+
 def test_l2l_ctl_cleanup(runs):
     dead, live = runs("die"), runs("live")
     listed = ctl("cleanup", "--dry-run")
