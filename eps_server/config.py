@@ -135,6 +135,10 @@ class BoxesConfig:
         return Sharding(self.node_rank, self.nodes) if sharded else None
 
     def __post_init__(self) -> None:
+        if self.rendezvous == "env":  # torch reads them there: the checks and logs must too
+            self.master_addr = os.environ.get("MASTER_ADDR", self.master_addr)
+            port = os.environ.get("MASTER_PORT", "")
+            self.master_port = int(port) if port.isdigit() else self.master_port
         if not 1 <= self.nodes <= 1024 or not 0 <= self.node_rank < self.nodes:
             raise ValueError("nodes must be in [1, 1024] and node_rank in [0, nodes)")
         if not 1 <= self.master_port <= 65535:

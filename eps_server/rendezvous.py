@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import secrets
+import socket
 import time
 
 from .boxes import BoxLost
@@ -71,10 +72,28 @@ def _claimed(cfg: BoxesConfig, token: str, timeout: datetime.timedelta):
     raises StaleStore where another token claimed it: a previous run's store."""
     import torch.distributed as dist
 
+    listen = _listening(cfg.master_addr, cfg.master_port) if cfg.node_rank == 0 else None
     store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.nodes, cfg.node_rank == 0,
-                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
+                          timeout=timeout, wait_for_workers=False, multi_tenant=True,
+                          master_listen_fd=listen)
     key = f"l2l-box-{cfg.node_rank}"
     if store.compare_set(key, "", token) != token.encode():
         raise StaleStore(f"{cfg.master_addr}:{cfg.master_port} serves a previous run's store "
                          f"(box {cfg.node_rank} claimed already)")
     return dist.PrefixStore("default_pg", store)
+
+
+def _listening(addr: str, port: int) -> int:
+    """Box 0's store socket, listening on ``addr`` only (the store's own binds every interface
+    whatever its host: anyone who reaches the port could read and forge the group's keys);
+    its fd, given to the store. A held port raises OSError (tried again)."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()

@@ -38,7 +38,8 @@ def test_a_restarted_job_joins_once_the_last_runs_box_0_has_gone(tmp_path):
     the store, with the old group's addresses). The new box 0 finds the port held, the new box
     1 finds its rank claimed in the old store: both try again (a failed try cost the job a
     restart; a box that took the old keys would join a dead run). Once the old box 0 has gone
-    they join one group, whose all-reduce sums both boxes."""
+    they join one group, whose all-reduce sums both boxes. The store listens on loopback
+    only."""
     port = free_port()
     procs = []
 
@@ -62,9 +63,12 @@ def test_a_restarted_job_joins_once_the_last_runs_box_0_has_gone(tmp_path):
         last = [start(rank, "last") for rank in (0, 1)]
         for p, log in last:
             assert p.stdout.readline().strip() == "joined 2.0", log.read_text()[-3000:]
+        # box 0's store listens on --master-addr (loopback), not on every interface: anyone
+        # who reached it could read and forge the group's keys, and take a box's place
+        assert listeners(port) == ["0100007F"], listeners(port)
         assert last[1][0].wait(30) == 0  # the last run's box 1 has exited; its box 0 stays
         new = [start(rank, "new") for rank in (0, 1)]
-        wait_for("joining failed, trying again: The server socket has failed to listen", *new[0],
+        wait_for("joining failed, trying again: [Errno 98] Address already in use", *new[0],
                  times=2)
         wait_for("serves a previous run's store (box 1 claimed already)", *new[1], times=2)
         last[0][0].communicate("\n", timeout=30)  # the last run's box 0 exits
@@ -76,3 +80,15 @@ def test_a_restarted_job_joins_once_the_last_runs_box_0_has_gone(tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+
+
+
+def listeners(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net shows them) listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and local.endswith(f":{port:04X}"):
+                out.append(local.rpartition(":")[0])
+    return out

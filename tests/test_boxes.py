@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from eps_server.boxes import BoxLost, Sequence
+from eps_server.config import BoxesConfig
 
 from .baseline import assert_close
 from .helpers import ENV, SMALL, free_port
@@ -183,6 +184,17 @@ def test_the_boxes_group_on_a_routable_address_needs_insecure(tmp_path):
                         "10.1.2.3"], env=ENV, cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "gloo group has no authentication" in p.stderr, p.stderr
+    # so does an env rendezvous's MASTER_ADDR (the option went unused there, and was checked)
+    from eps_server.config import ServerConfig
+
+    env = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29611"}
+    with pytest.MonkeyPatch.context() as m:
+        for k, v in env.items():
+            m.setenv(k, v)
+        with pytest.raises(ValueError, match="--master-addr 10.1.2.3 .not loopback."):
+            ServerConfig(boxes=BoxesConfig(nodes=2, rendezvous="env"))
+        boxes = ServerConfig(boxes=BoxesConfig(nodes=2, rendezvous="env"), insecure=True).boxes
+        assert (boxes.master_addr, boxes.master_port) == ("10.1.2.3", 29611)
 
 
 def test_the_sequence_puts_every_box_s_collectives_in_one_order():
