@@ -65,20 +65,23 @@ def ipv6(endpoint: str) -> bool:
     return endpoint.startswith("tcp://[")
 
 
-def check_connect(endpoint: str) -> None:
+def check_connect(endpoint: str) -> bool:
     """Raise ValueError if the ipc socket to connect to lies in a directory that another user
     owns or that others can enter: whoever listens there could be anyone (a client sends its
-    Hello, manifest included, to whoever answers)."""
+    Hello, manifest included, to whoever answers). False while that directory does not exist
+    (nothing listens there yet): connect only once it does and passes (else whoever made it
+    first, e.g. another user in a shared /tmp, would get the connection)."""
     if not endpoint.startswith("ipc://"):
-        return
+        return True
     parent = os.path.dirname(endpoint[len("ipc://"):])
     try:
         st = os.stat(parent)
     except FileNotFoundError:
-        return  # nothing listens there yet; the connection will wait (and time out)
+        return False
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise ValueError(f"refusing to connect to {endpoint}: its directory {parent} must be "
                          "owned by this user with mode 0700")
+    return True
 
 
 class IpcClaim:

@@ -27,7 +27,7 @@ from protocol.messages import (
     StatusReply,
 )
 from protocol.tensors import LayerSpec, Manifest, TensorSpec
-from worker.eps_client import EpsClient
+from worker.eps_client import EpsClient, EpsDisconnected
 
 from .test_core import error, grad_of
 from .test_server import bootstrap, raw_socket
@@ -220,6 +220,35 @@ def test_clients_refuse_an_ipc_directory_others_can_enter(tmp_path):
     assert stat.S_IMODE(os.stat(open_dir).st_mode) == 0o777
     with pytest.raises(ValueError, match="must be owned by this user with mode 0700"):
         EpsClient(f"ipc://{open_dir}/eps.sock")
+
+
+
+def test_a_client_started_before_its_ipc_directory_checks_it_once_it_is_made(tmp_path):
+    """A worker started before its EPS found no directory to check and let ZeroMQ connect on
+    its own later: whoever made the directory first (another user, in a shared /tmp) got its
+    Hello and manifest. It connects only once the directory is there and passes."""
+    import zmq
+
+    later = tmp_path / "later"
+    c = EpsClient(f"ipc://{later}/eps.sock", timeout=20)
+    try:
+        fut = c.request(Status)
+        time.sleep(0.3)
+        later.mkdir()
+        os.chmod(later, 0o777)  # made by someone else, open to all
+        ctx = zmq.Context()
+        listener = ctx.socket(zmq.ROUTER)
+        listener.bind(f"ipc://{later}/eps.sock")
+        try:
+            with pytest.raises(EpsDisconnected, match="must be owned by this user with mode "
+                               "0700"):
+                c.wait(fut, timeout=10)
+            assert listener.poll(500) == 0  # nothing reached it
+        finally:
+            listener.close(0)
+            ctx.term()
+    finally:
+        c.close()
 
 
 def large_hello(req_id: int, tag: str, layers: int = 1000) -> bytes:

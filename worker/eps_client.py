@@ -71,7 +71,7 @@ class EpsDisconnected(ConnectionError):
 
 class EpsClient:
     def __init__(self, endpoint: str, timeout: float = 600.0, curve: ClientKeys | None = None):
-        check_connect(endpoint)
+        self._connect_now = check_connect(endpoint)  # (False: once its folder is there)
         self.endpoint = endpoint
         self.timeout = timeout
         self._curve = curve
@@ -212,7 +212,8 @@ class EpsClient:
             self._curve.apply(sock)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                                           | HANDSHAKE_FAILED)
-        sock.connect(self.endpoint)
+        if self._connect_now:
+            sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -222,7 +223,16 @@ class EpsClient:
         backlog: collections.deque = collections.deque()
         try:
             while not self._closed:
-                wait = None
+                wait = None if self._connect_now else 100
+                if not self._connect_now:
+                    try:
+                        ready = check_connect(self.endpoint)
+                    except ValueError as e:  # its folder, made meanwhile, is not ours alone
+                        self._on_lost(str(e))
+                        return
+                    if ready:
+                        sock.connect(self.endpoint)
+                        self._connect_now = True
                 if self._beat_every:
                     now = time.monotonic()
                     if now >= self._next_beat:
