@@ -39,10 +39,25 @@ def main(argv: list[str] | None = None) -> int:
         skip_exit_collections()
 
 
+def more_descriptors() -> None:
+    """The soft limit on open files raised to the hard one: every connection holds one, and a
+    flood of them (on a tcp endpoint, before any authentication) must not leave the EPS none
+    to write a checkpoint with."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def run(cfg: ServerConfig) -> int:
     """Serve until the job is done or a signal stops it; the exit status."""
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s eps-server %(levelname)s %(message)s")
+    more_descriptors()
     server = EpsServer(cfg)
     try:
         uvloop.run(server.serve())

@@ -120,6 +120,7 @@ class EpsServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable reply is an error
         self.sock.setsockopt(zmq.SNDHWM, HWM)
         self.sock.setsockopt(zmq.RCVHWM, HWM)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)  # ms a handshake may hold an fd
         if self.cfg.curve_secret_key:
             self._auth = curve.serve(ctx, self.sock, self.cfg.curve_secret_key,
                                      self.cfg.curve_clients)

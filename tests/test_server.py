@@ -298,6 +298,28 @@ def test_a_port_in_use_is_a_clear_error(cluster):
     assert f"cannot listen on tcp://127.0.0.1:{port}" in out.stderr
 
 
+def test_the_eps_takes_every_descriptor_its_limit_allows(cluster):
+    """Each connection holds a descriptor, also one that never authenticates: a flood of them
+    left the EPS none to write checkpoints with (soft limit 1024 where the hard one is far
+    higher). It raises its soft limit to the hard one."""
+    import resource
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard <= 256:
+        pytest.skip("the hard limit leaves nothing to raise")
+    p = cluster.spawn(["bash", "-c", f"ulimit -Sn 256 && exec {sys.executable} -m eps_server "
+                       f"--endpoint {cluster.endpoint} --server-threads 1"], "eps-limits")
+    deadline = time.monotonic() + 60
+    while "listening on" not in cluster.log(p):
+        assert p.poll() is None and time.monotonic() < deadline, cluster.log(p)
+        time.sleep(0.1)
+    [line] = [x for x in open(f"/proc/{p.pid}/limits") if x.startswith("Max open files")]
+    p.terminate()  # (it cleans up)
+    assert cluster.wait(p, 30) == 0, cluster.log(p)
+    assert line.split()[3:5] == [str(hard), str(hard)], line
+
+
 def test_client_reports_disconnect(server, client):
     bootstrap(client)
     os.killpg(server.server.pid, signal.SIGKILL)
