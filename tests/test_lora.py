@@ -441,6 +441,23 @@ def test_targets_outside_the_blocks_are_refused_or_said(tmp_path, caplog):
     assert "also names pooler.dense outside the blocks" in caplog.text
 
 
+def test_moe_mlp_targets_that_peft_would_load_as_experts_are_refused(tmp_path):
+    """PEFT converts a DeepSeek-V3 (Qwen2-MoE-like) adapter's gate_proj/up_proj/down_proj
+    into the experts' stacked parameters as it loads it: the adapters trained on the dense
+    layer's and the shared experts' MLPs were dropped, and the experts got fresh ones. Such
+    targets are refused; attention targets are taken."""
+    pytest.importorskip("peft.utils.transformers_weight_conversion")
+    path = fx.model_dir(tmp_path / "ds", "deepseek_v3")
+    for targets in ("all-linear", "q_a_proj,gate_proj,up_proj,down_proj"):
+        with pytest.raises(ValueError, match="adapts the linear layers down_proj, gate_proj, "
+                           "up_proj .* PEFT loads those names of a deepseek_v3 adapter as its "
+                           "experts' stacked parameters"):
+            build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4,
+                                    lora_targets=targets)).manifest()
+    build_model(ModelConfig(model=f"hf:{path}", seq_len=SEQ, lora_rank=4,
+                            lora_targets="q_a_proj,o_proj")).manifest()
+
+
 @pytest.mark.parametrize("served", [torch.float32, torch.bfloat16])
 def test_a_dora_layer_starts_as_its_base_layer_in_the_dtype_it_is_served_in(served):
     """B is zero at the start and DoRA's magnitude the norm of W's rows as the worker holds W

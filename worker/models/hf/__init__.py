@@ -196,6 +196,13 @@ class HfModel(LayeredModel):
                                  " that --lora-exclude-modules and --lora-layers leave"
                                  if self.cfg.lora_exclude_modules or self.cfg.lora_layers
                                  else ""))
+        if moved := sorted(lora_plan.peft_moves(self.config.model_type) & self.lora_modules):
+            raise ValueError(
+                f"--lora-targets {self.cfg.lora_targets} adapts the linear layers "
+                f"{', '.join(moved)} (a dense or shared MLP's), but PEFT loads those names of a "
+                f"{self.config.model_type} adapter as its experts' stacked parameters, so they "
+                "would not load: leave them out (e.g. q_proj,k_proj,v_proj,o_proj), and adapt the "
+                "experts with --lora-target-parameters gate_up_proj,down_proj")
         outside = lora_plan.outside_blocks(self)
         if only := [n for n in outside if n not in self.lora_modules]:
             raise ValueError(f"--lora-targets {only[0]}: the model's {outside[only[0]]}, outside "

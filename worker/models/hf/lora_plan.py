@@ -110,3 +110,23 @@ def outside_blocks(model) -> dict[str, str]:
             if name.rpartition(".")[2] in want:
                 found.setdefault(name.rpartition(".")[2], name)
     return found
+
+
+def peft_moves(model_type: str) -> set[str]:
+    """Target names PEFT turns into a mixture of experts' stacked parameters when it loads an
+    adapter of ``model_type`` (its conversion to transformers 5's layout: gate_proj, up_proj,
+    down_proj of a Qwen2-MoE-like model, w1, w2, w3 of a Mixtral-like one): adapters on linear
+    layers of those names (a dense or shared MLP's) would not load. Empty without PEFT."""
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return set()
+    try:
+        base = conv._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        if base is None or get_checkpoint_conversion_mapping(model_type) is None or \
+                not conv._MOE_FUSED_TARGETS.get(base):
+            return set()
+        return set(conv._MOE_TARGET_MODULE_MAPPING.get(base, {}))
+    except (AttributeError, TypeError):  # (another PEFT: nothing known to move)
+        return set()
