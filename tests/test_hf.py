@@ -812,6 +812,13 @@ def test_unsupported_configs_are_refused(tmp_path):
     assert build_model(ModelConfig(model=f"hf:{roberta}", seq_len=63))
     with pytest.raises(ValueError, match="exceeds the 63 positions"):
         build_model(ModelConfig(model=f"hf:{roberta}", seq_len=64))
+    # rotary positions have no table: they go on past max_position_embeddings, as the
+    # library's do (it was refused as if they had one)
+    llama = fx.model_dir(tmp_path / "llama", "llama", max_position_embeddings=8)
+    assert build_model(ModelConfig(model=f"hf:{llama}", seq_len=16))
+    gpt2 = fx.model_dir(tmp_path / "gpt2", "gpt2", n_positions=8)
+    with pytest.raises(ValueError, match="exceeds the 8 positions"):
+        build_model(ModelConfig(model=f"hf:{gpt2}", seq_len=16))
 
 
 def test_evaluation_equals_the_library_model(tmp_path):

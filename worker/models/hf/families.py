@@ -273,10 +273,15 @@ def hf_class(config, family: Family) -> str:
 
 
 def max_positions(config) -> int | None:
-    """The longest sequence the position embeddings cover (None: rotary, no table). RoBERTa's
-    positions start after its padding index."""
+    """The longest sequence the position embeddings cover (a table of learned positions: BERT,
+    RoBERTa's, whose positions start after its padding index, GPT-2's); None for rotary
+    positions, which go on past max_position_embeddings as the library's do (context
+    extension, YaRN and dynamic scaling)."""
+    family = FAMILIES[config.model_type]
+    if family not in (BERT, ROBERTA, GPT2):
+        return None
     limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and FAMILIES[config.model_type] is ROBERTA:
+    if limit is not None and family is ROBERTA:
         limit -= config.pad_token_id + 1
     return limit
 
