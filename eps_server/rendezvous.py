@@ -13,17 +13,26 @@ cure (a bad address) fails at once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import secrets
 import socket
 import time
 
+from protocol.endpoints import is_loopback_host
+
 from .boxes import BoxLost
 from .config import BoxesConfig
 
 log = logging.getLogger("eps_server")
+
+
+# Box 0's store, kept for the process's life: a retry (the group failed to form) must use it
+# again, not bind its port a second time.
+_served: dict[tuple[str, int], object] = {}
 
 
 class StaleStore(RuntimeError):
@@ -72,10 +81,21 @@ def _claimed(cfg: BoxesConfig, token: str, timeout: datetime.timedelta):
     raises StaleStore where another token claimed it: a previous run's store."""
     import torch.distributed as dist
 
-    listen = _listening(cfg.master_addr, cfg.master_port) if cfg.node_rank == 0 else None
-    store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.nodes, cfg.node_rank == 0,
-                          timeout=timeout, wait_for_workers=False, multi_tenant=True,
-                          master_listen_fd=listen)
+    where = (cfg.master_addr, cfg.master_port)
+    store = _served.get(where) if cfg.node_rank == 0 else None  # (a retry: box 0's own)
+    if store is None:
+        listen = _listening(*where) if cfg.node_rank == 0 else None
+        try:
+            store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.nodes,
+                                  cfg.node_rank == 0, timeout=timeout, wait_for_workers=False,
+                                  multi_tenant=True, master_listen_fd=listen)
+        except BaseException:
+            if listen is not None:
+                with contextlib.suppress(OSError):
+                    os.close(listen)
+            raise
+        if cfg.node_rank == 0:
+            _served[where] = store
     key = f"l2l-box-{cfg.node_rank}"
     if store.compare_set(key, "", token) != token.encode():
         raise StaleStore(f"{cfg.master_addr}:{cfg.master_port} serves a previous run's store "
@@ -86,8 +106,14 @@ def _claimed(cfg: BoxesConfig, token: str, timeout: datetime.timedelta):
 def _listening(addr: str, port: int) -> int:
     """Box 0's store socket, listening on ``addr`` only (the store's own binds every interface
     whatever its host: anyone who reaches the port could read and forge the group's keys);
-    its fd, given to the store. A held port raises OSError (tried again)."""
+    its fd, given to the store. A held port raises OSError (tried again); a name of this
+    machine's that resolves to loopback here (/etc/hosts) raises ValueError: the other boxes
+    could not reach it."""
     family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    if not is_loopback_host(addr) and ipaddress.ip_address(where[0]).is_loopback:
+        raise ValueError(f"--master-addr {addr} resolves to {where[0]} on box 0 (its hosts "
+                         "file), where the other boxes cannot reach its store: give box 0's "
+                         "address on the boxes' network")
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -92,3 +92,52 @@ def listeners(port: int) -> list[str]:
             if state == "0A" and local.endswith(f":{port:04X}"):
                 out.append(local.rpartition(":")[0])
     return out
+
+
+RETRY = """
+import sys
+import torch.distributed as dist
+from eps_server import rendezvous
+from eps_server.config import BoxesConfig
+calls = []
+def fail_then_stop(*a, **kw):
+    calls.append(1)
+    if len(calls) == 1:
+        raise RuntimeError("Connection reset by peer")  # the group failed to form: tried again
+    raise KeyboardInterrupt
+dist.init_process_group = fail_then_stop
+try:
+    rendezvous.join(BoxesConfig(nodes=2, node_rank=0, master_port=int(sys.argv[1]),
+                                box_timeout=5))
+except KeyboardInterrupt:
+    print("tried again", len(calls))
+"""
+
+
+def test_box_0_tries_again_with_the_store_it_serves():
+    """A try whose group failed to form left box 0's store listening: the next bound the port
+    again and found it held, every second, until the timeout."""
+    p = subprocess.run([sys.executable, "-c", RETRY, str(free_port())], env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "tried again 2", p.stdout + p.stderr
+
+
+def test_a_master_addr_that_resolves_to_loopback_on_box_0_is_refused():
+    """A hosts file that maps the machine's name to 127.0.x.1 (Debian's default): the store
+    listened there, and the other boxes timed out without a word of why."""
+    import socket
+
+    import pytest
+
+    from eps_server.rendezvous import _listening
+
+    name = socket.gethostname()
+    try:
+        address = socket.getaddrinfo(name, 1, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        pytest.skip("this machine's name does not resolve")
+    if not address.startswith("127.") or name in ("localhost",):
+        pytest.skip(f"{name} resolves to {address} here")
+    with pytest.raises(ValueError, match=f"--master-addr {name} resolves to {address} on box "
+                       "0 .* the other boxes cannot reach its store"):
+        _listening(name, free_port())
