@@ -261,7 +261,7 @@ class EpsCore(ControlRequests):
                                "they are read again, and this server keeps no previous "
                                "versions (start it with --recovery); "
                                f"{self.saves.resume_hint('the job')}")
-        data_step, data_samples = self.scheduler.data.joined(msg.samples_per_step)
+        self.scheduler.data.check(msg.samples_per_step)
         init_layers = ()
         if rank == self.initialiser:  # a restarted initialiser finishes the job
             init_layers = tuple(i for i, v in enumerate(self.store.versions)
@@ -275,6 +275,7 @@ class EpsCore(ControlRequests):
         if replaced is not None:
             outs += self.data.fail_waiters(replaced.identity, "bad_request",
                                            f"rank {rank} was replaced")
+        data_step, data_samples = self.scheduler.data.joined(msg.samples_per_step)
         log.info("hello from rank %d (pid %d, %s, %s)%s", rank, msg.pid, msg.host,
                  msg.transport, f": resumes step {step}, {len(pushed)} layers of it pushed "
                  "already" if rejoined else "")

@@ -32,14 +32,18 @@ class DataPosition:
                 data.get("per_step"), int) and data["samples"] >= 0 and data["per_step"] >= 0:
             self.samples, self.loaded_per_step = data["samples"], data["per_step"]
 
-    def joined(self, per_step: int) -> tuple[int, int]:
-        """A worker whose steps take ``per_step`` samples (0: it does not say) joins: the
-        origin it counts its data positions from."""
+    def check(self, per_step: int) -> None:
+        """Refuse a worker whose steps take another number of samples than the job's."""
         if per_step and self.per_step and per_step != self.per_step:
             raise RequestError("bad_request", f"this worker's steps take {per_step} samples, "
                                f"the job's take {self.per_step} (every worker's micro-batches "
                                "of every box): the workers' --micro-batches and "
                                "--micro-batch-size must agree", "samples_per_step")
+
+    def joined(self, per_step: int) -> tuple[int, int]:
+        """A worker whose steps take ``per_step`` samples (0: it does not say) has joined (as
+        ``check`` allowed): the origin it counts its data positions from."""
+        self.check(per_step)
         self.per_step = self.per_step or per_step
         return self.step, self.consumed(self.step)
 

@@ -94,8 +94,8 @@ def load_core(cfg: ServerConfig, path: str, run_id: str, **kw) -> EpsCore:
                              progress)
     except BaseException as e:
         core.close(final_save=False)
-        if isinstance(e, ValueError) and saved.get("name", cfg.optimizer.name) != \
-                cfg.optimizer.name:  # (what a state of another optimizer lacks)
+        if isinstance(e, ValueError) and str(e).startswith("optimizer state") and \
+                saved.get("name", cfg.optimizer.name) != cfg.optimizer.name:
             raise ValueError(f"{e}: the checkpoint was trained with --optimizer {saved['name']}, "
                              f"whose state --optimizer {cfg.optimizer.name} cannot go on "
                              "from") from None

@@ -389,5 +389,6 @@ class UpdateScheduler:
 
 def _settings(extra: dict) -> dict:
     """What makes two checkpoints of one step differ: all but the run id, which a resumed run
-    may change."""
-    return {k: v for k, v in extra.items() if k != "run_id"}
+    may change, and the data's record (of one step of one run: the same samples, whatever the
+    batch shape of the run that resumed from it)."""
+    return {k: v for k, v in extra.items() if k not in ("run_id", "data")}

@@ -291,6 +291,27 @@ def test_a_run_resumed_with_another_batch_shape_goes_on_from_the_samples_consume
     assert position.joined(8) == (1, 8) and position.record(3) == {"samples": 24, "per_step": 8}
 
 
+def test_a_resumed_run_of_another_batch_shape_that_trains_nothing_writes_nothing(tmp_path):
+    """The data's record (samples a step) differs once a worker of another batch shape has
+    joined: a run resumed from the latest that trained nothing wrote the same step again."""
+    h = Harness(1)
+    try:
+        h.bootstrap(samples_per_step=8)
+        for layer in (2, 1, 0):
+            h.push(0, 0, layer, grad_of(layer, 1.0), 10 + layer)
+        h.poll()
+        save(h, tmp_path / "ck", keep=3)
+    finally:
+        h.close()
+    before = set(os.listdir(tmp_path / "ck"))
+    r = Harness(1)
+    cfg = replace(r.cfg, save=str(tmp_path / "ck"), keep_checkpoints=3)
+    r.core = load_core(cfg, str(tmp_path / "ck"), cfg.run_id, inline=True, clock=lambda: r.now)
+    assert r.hello(0, samples_per_step=4).data_samples == 8
+    r.core.close(final_save=True)
+    assert set(os.listdir(tmp_path / "ck")) == before
+
+
 def test_a_checkpoint_of_another_optimizer_is_refused_saying_which(tmp_path):
     """An AdamW checkpoint resumed as SGD with momentum lacks its momentum buffers: the refusal
     said only that, not that the checkpoint was another optimizer's."""

@@ -60,8 +60,8 @@ def run(args: WorkerArgs) -> int:
     finally:
         # Done: nothing is left to unwind, and a SIGTERM now (a launcher stopping the job as
         # this worker exits) would raise inside the interpreter's exit handlers: a traceback
-        # and finalizers cut short. (The parent-death signal is SIGTERM too: a worker stuck
-        # on its way out after its launcher was SIGKILLed would stay; the exit is short.)
+        # and finalizers cut short. (The parent-death signal is SIGKILL, which still ends
+        # it.)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 

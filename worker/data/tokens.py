@@ -22,7 +22,8 @@ from .sft import CHUNK, chat_samples, prompt_samples
 
 log = logging.getLogger("l2l_worker")
 
-FORMAT = 2  # of the cached arrays: a cache of another format is made again
+FORMAT = 3  # of the cached arrays: a cache of another format is made again (3: read again
+#             where the checks of a file changed: labelled records for a language model)
 
 
 @dataclass
