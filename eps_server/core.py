@@ -231,6 +231,12 @@ class EpsCore(ControlRequests):
         """A rank at this resume point (data.resume_point) has pushed part of its step."""
         return bool(pushed) or max(self.store.versions) > step
 
+    def _all_done(self, rank: int, done: bool) -> bool:
+        """A Bye's ``done``, unless its rank has pushed only part of its step (done: all of
+        it)."""
+        return done and not (0 <= rank < self.cfg.world_size and self._mid_step(
+            *self.data.resume_point(rank)))
+
     def _heartbeat(self, identity: bytes, msg: Heartbeat, frames) -> list[Out]:
         peer = self.peers.get(identity)
         if msg.report is not None and peer.worker:
@@ -336,17 +342,14 @@ class EpsCore(ControlRequests):
         return outs
 
     def _bye(self, identity: bytes, msg: Bye, frames) -> list[Out]:
-        if identity not in self.peers and self.peers.late_bye(  # (done: all of it, as below)
-                identity, msg.rank, msg.done and not (0 <= msg.rank < self.cfg.world_size
-                                                      and self._mid_step(
-                                                          *self.data.resume_point(msg.rank)))):
+        if identity not in self.peers and self.peers.late_bye(
+                identity, msg.rank, self._all_done(msg.rank, msg.done)):
             return [Out(identity, Ack(req_id=msg.req_id))]
         peer = self.peers.get(identity)
         if peer.worker and msg.rank != peer.rank:
             raise RequestError("bad_request", f"this peer is rank {peer.rank}, not {msg.rank}",
                                "rank")
-        done = msg.done and not (peer.worker and self._mid_step(  # done: all of it
-            *self.data.resume_point(peer.rank)))
+        done = self._all_done(peer.rank, msg.done) if peer.worker else msg.done
         self.peers.leave(identity, done)
         outs = self.data.fail_waiters(identity, "bad_request", f"rank {peer.rank} said Bye")
         if peer.worker and not done:  # a failure, or a job being stopped: a warning

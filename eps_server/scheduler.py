@@ -174,7 +174,7 @@ class UpdateScheduler:
             self.rewriting.discard(job.layer)
         check = self._steps.get(job.t)
         if check is None:
-            self.stats.update_latency.observe(done.seconds)
+            self._observe(done.seconds)
             self._advance(job.layer, job.t)
             return
         check.seconds[job.layer] = done.seconds  # observed once the decision is carried out

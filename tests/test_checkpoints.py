@@ -47,6 +47,19 @@ def trained():
     h.close()
 
 
+def saved_after_one_step(root, samples_per_step: int, keep: int = 1) -> str:
+    """A checkpoint of a core after one step whose workers take ``samples_per_step``."""
+    h = Harness(1)
+    try:
+        h.bootstrap(samples_per_step=samples_per_step)
+        for layer in (2, 1, 0):
+            h.push(0, 0, layer, grad_of(layer, 1.0), 10 + layer)
+        h.poll()
+        return save(h, root, keep)
+    finally:
+        h.close()
+
+
 def save(h, root, keep=1):
     return checkpoint.save(str(root), h.core.store, [m.optimizer for m in h.core.engines.layers],
                            h.core.scheduler.checkpoint_extra(), keep)
@@ -262,16 +275,8 @@ def test_a_run_resumed_with_another_batch_shape_goes_on_from_the_samples_consume
         assert isinstance(refused, Error) and refused.field == "samples_per_step", refused
     finally:
         h.close()
-    h = Harness(1)
-    try:
-        h.bootstrap(samples_per_step=16)
-        for layer in (2, 1, 0):
-            h.push(0, 0, layer, grad_of(layer, 1.0), 10 + layer)
-        h.poll()
-        root = save(h, tmp_path / "a")
-        assert checkpoint.read_meta(root).state["data"] == {"samples": 16, "per_step": 16}
-    finally:
-        h.close()
+    root = saved_after_one_step(tmp_path / "a", samples_per_step=16)
+    assert checkpoint.read_meta(root).state["data"] == {"samples": 16, "per_step": 16}
     r = Harness(1)
     r.core = load_core(r.cfg, root, r.cfg.run_id,
                        inline=True, clock=lambda: r.now)
@@ -294,15 +299,7 @@ def test_a_run_resumed_with_another_batch_shape_goes_on_from_the_samples_consume
 def test_a_resumed_run_of_another_batch_shape_that_trains_nothing_writes_nothing(tmp_path):
     """The data's record (samples a step) differs once a worker of another batch shape has
     joined: a run resumed from the latest that trained nothing wrote the same step again."""
-    h = Harness(1)
-    try:
-        h.bootstrap(samples_per_step=8)
-        for layer in (2, 1, 0):
-            h.push(0, 0, layer, grad_of(layer, 1.0), 10 + layer)
-        h.poll()
-        save(h, tmp_path / "ck", keep=3)
-    finally:
-        h.close()
+    saved_after_one_step(tmp_path / "ck", samples_per_step=8, keep=3)
     before = set(os.listdir(tmp_path / "ck"))
     r = Harness(1)
     cfg = replace(r.cfg, save=str(tmp_path / "ck"), keep_checkpoints=3)

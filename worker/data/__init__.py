@@ -89,12 +89,8 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
                             f"{model.objective} head")
         vocab = getattr(getattr(model, "config", None), "vocab_size", cfg.vocab)
         ids = read_tokens(path, data.token_dtype, vocab)
-        try:
-            return TextTask(Encoded(ids, None), "lm", seed=seed, shuffle=shuffle, pad_id=0,
-                            micro_batch_size=size, global_micro_batches=count,
-                            window=cfg.seq_len)
-        except ValueError as e:
-            raise DataError(f"{path}: {e}") from None
+        return _task(path, Encoded(ids, None), "lm", seed=seed, shuffle=shuffle, pad_id=0,
+                     micro_batch_size=size, global_micro_batches=count, window=cfg.seq_len)
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise DataError(f"{path}: text needs the model's tokenizer (an hf: model); a built-in "
@@ -127,17 +123,21 @@ def text_task(model, data: DataConfig, path: str, size: int, count: int,
     # A language-model sample needs two tokens (an input and its target).
     enc = cached_encode(path, records, tokenizer, model.path, None if window else cfg.seq_len,
                         options, min_length=2 if objective == "lm" else 1)
-    try:
-        task = TextTask(enc, objective, seed=seed, shuffle=shuffle,
-                        pad_id=model.pad_id(tokenizer), micro_batch_size=size,
-                        global_micro_batches=count, window=window)
-    except ValueError as e:
-        raise DataError(f"{path}: {e}") from None
+    task = _task(path, enc, objective, seed=seed, shuffle=shuffle, pad_id=model.pad_id(tokenizer),
+                 micro_batch_size=size, global_micro_batches=count, window=window)
     if objective == "lm" and not task.targets.any():  # every loss would be 0 / 0
         raise DataError(f"{path}: no sample keeps a token to predict within --seq-len "
                         f"{cfg.seq_len} (prompts or user turns fill it): nothing to train or "
                         "evaluate on; give a larger --seq-len")
     return task
+
+
+def _task(path: str, *args, **kw) -> TextTask:
+    """TextTask(*args, **kw), its refusal naming the file."""
+    try:
+        return TextTask(*args, **kw)
+    except ValueError as e:
+        raise DataError(f"{path}: {e}") from None
 
 
 class Sharder:
